@@ -1,0 +1,62 @@
+"""The engine's frozen configuration (the article's O3Config) and its validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from o3edge.errors import ConfigError
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class O3Config:
+    """What the engine needs to load a model and serve it; built once, never mutated.
+
+    `model_path` may be a Hugging Face checkpoint directory or an o3edge engine directory;
+    None selects the built-in default model.
+    """
+
+    model_path: str | None = None
+    device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dynamic_kv_cache: bool = True  # paged KV cache with prefix reuse across requests
+    int4_ffn: bool = False  # weight-only INT4 for the FFN projections
+    int4_group_size: int = 128
+    kv_block_size: int = 32  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 256
+    max_model_len: int | None = None  # None: the checkpoint's, capped at 4096
+    max_num_seqs: int = 32  # sequences in the running batch
+    max_num_batched_tokens: int = 2048  # prefill tokens per engine step (the chunk budget)
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
+        if self.int4_group_size not in (32, 64, 128, 256):
+            raise ConfigError(f"int4_group_size must be 32, 64, 128 or 256, got {self.int4_group_size}")
+        for name in ("kv_block_size", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_block_size % 8:
+            raise ConfigError(f"kv_block_size must be a multiple of 8, got {self.kv_block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+
+    def replace(self, **changes) -> "O3Config":
+        """A copy with some fields changed (the original stays frozen)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "O3Config":
+        """Build from a mapping (a TOML table), rejecting unknown keys by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine setting(s): {', '.join(unknown)}")
+        return cls(**values)

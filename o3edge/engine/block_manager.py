@@ -1,0 +1,153 @@
+"""The paged KV cache's bookkeeping: blocks, reference counts and the prefix cache (no tensors).
+
+Full blocks are named by a chained hash of (parent hash, token ids), rooted in the model's
+fingerprint, so a block means the same thing in any request, and, later, in any process with
+the same model. A block whose last holder finishes keeps its hash and stays findable until the
+allocator needs its space: the free list is kept in least-recently-freed order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from o3edge.engine.sequence import Sequence
+
+
+def chain_hash(parent: bytes, token_ids) -> bytes:
+    """The name of a full block: its tokens and everything before them."""
+    return hashlib.blake2b(parent + array("i", token_ids).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and finds cached prefixes; plain Python, deterministic."""
+
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: str, prefix_caching: bool = True):
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.root = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.seq_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its sealed blocks
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- admission -------------------------------------------------------------------------
+    def _match(self, seq: Sequence) -> list[int]:
+        """Cached blocks that cover a prefix of seq; at least one token is always left to compute."""
+        if not self.prefix_caching:
+            return []
+        bs, hits, parent = self.block_size, [], self.root
+        for i in range((len(seq) - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, tokens)
+            block_id = self.cached.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._match(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.blocks_for(len(seq)) - len(hits) + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, reuse: bool = True) -> None:
+        """Give seq a block table for all its tokens, reusing cached prefix blocks if reuse."""
+        assert not seq.block_table
+        hits = self._match(seq) if reuse else []
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
+        self.seq_hashes[seq.seq_id] = [self.blocks[b].hash for b in hits]
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        self.num_queried_tokens += len(seq)
+        self.num_hit_tokens += seq.num_cached_tokens
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)  # least recently freed
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    # ---- decode ----------------------------------------------------------------------------
+    def can_append(self, seq: Sequence) -> bool:
+        return self.blocks_for(len(seq)) <= len(seq.block_table) or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for seq's newest token."""
+        if self.blocks_for(len(seq)) > len(seq.block_table):
+            seq.block_table.append(self._take_free())
+
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Record that num_tokens more of seq's K/V are written; name the blocks this filled."""
+        seq.num_computed_tokens += num_tokens
+        if not self.prefix_caching:
+            return
+        hashes, bs = self.seq_hashes.setdefault(seq.seq_id, []), self.block_size
+        while (len(hashes) + 1) * bs <= seq.num_computed_tokens:
+            i = len(hashes)
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(hashes[-1] if hashes else self.root, tokens)
+            hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.token_ids = h, tokens
+                self.cached[h] = block.block_id
+
+    # ---- release ---------------------------------------------------------------------------
+    def free_seq(self, seq: Sequence) -> None:
+        """Drop seq's hold on its blocks; unshared ones join the free list, most recent last."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.seq_hashes.pop(seq.seq_id, None)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def stats(self) -> dict:
+        return {
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_free": self.num_free_blocks,
+            "kv_blocks_used": self.num_blocks - self.num_free_blocks,
+            "kv_blocks_cached": len(self.cached),
+            "kv_block_size": self.block_size,
+            "prefix_hit_rate": round(self.hit_rate, 4),
+            "prefix_hit_tokens": self.num_hit_tokens,
+        }

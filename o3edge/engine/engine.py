@@ -1,0 +1,213 @@
+"""The step-level engine: add requests, step, abort. No I/O; the daemon and O3Model drive it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from o3edge.config import O3Config
+from o3edge.engine.block_manager import BlockManager
+from o3edge.engine.checkpoint import ModelArgs, fingerprint
+from o3edge.engine.loader import load_model
+from o3edge.engine.runner import ModelRunner
+from o3edge.engine.scheduler import Scheduler
+from o3edge.engine.sequence import Priority, SamplingParams, Sequence
+from o3edge.engine.tokenizer import Detokenizer, Tokenizer
+from o3edge.errors import InvalidRequest, OutOfCapacity, PromptTooLong
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What was found at start-up (never written back into the config)."""
+
+    model_dir: str
+    device: str
+    dtype: str
+    args: ModelArgs
+    fingerprint: str
+    num_kv_blocks: int
+    kv_block_size: int
+    kv_cache_bytes: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    load_seconds: float
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # new this step
+    text: str  # new this step
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+
+
+@dataclass
+class StepReport:
+    """What a step did, for energy accounting and stats: times and tokens per request."""
+
+    t_start_ns: int
+    t_end_ns: int
+    tokens: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (prefill, decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(p for p, _ in self.tokens.values())
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(d for _, d in self.tokens.values())
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged, prefix-reusing KV cache."""
+
+    def __init__(self, config: O3Config, model_dir: str):
+        t0 = time.perf_counter()
+        self.config = config
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        model, args = load_model(model_dir, device, dtype)
+        self.tokenizer = Tokenizer(model_dir)
+        max_len = min(config.max_model_len or min(args.max_position_embeddings, 4096), args.max_position_embeddings)
+        block_bytes = ModelRunner.block_bytes(args, config.kv_block_size, dtype)
+        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_mb * (1 << 20) // block_bytes)
+        self.runner = ModelRunner(model, args, device, dtype, num_blocks, config.kv_block_size, max_len, config.seed)
+        fp = fingerprint(model_dir)
+        self.blocks = BlockManager(num_blocks, config.kv_block_size, f"{fp}:{dtype}", config.dynamic_kv_cache)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        eos = args.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(self.tokenizer.eos_token)] if t is not None)
+        self.info = RuntimeInfo(model_dir, str(device), str(dtype).removeprefix("torch."), args, fp, num_blocks,
+                                config.kv_block_size, num_blocks * block_bytes, max_len, eos,
+                                time.perf_counter() - t0)
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, Detokenizer] = {}
+        self.num_generated_tokens = 0
+        log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
+                 model_dir, device, self.info.dtype, num_blocks, config.kv_block_size,
+                 self.info.kv_cache_bytes / 2**20, max_len)
+
+    # ---- requests --------------------------------------------------------------------------
+    def encode(self, prompt: str | None = None, messages: list | None = None) -> list[int]:
+        """Token ids for a plain prompt or a chat."""
+        if messages is not None:
+            return self.tokenizer.encode_chat(messages)
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequest("a non-empty prompt or messages is required")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: Priority = Priority.NORMAL, deadline: float | None = None) -> Sequence:
+        """Queue a request; it runs in the next steps. Raises a coded error if it can never run."""
+        if request_id in self.seqs:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        self._check_prompt(prompt_token_ids)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority, deadline)
+        self.seqs[request_id] = seq
+        self.detok[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
+        return seq
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.info.args.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.info.max_model_len:
+            raise PromptTooLong(f"prompt has {len(ids)} tokens; the context window is {self.info.max_model_len}")
+        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
+            raise OutOfCapacity(f"prompt of {len(ids)} tokens does not fit the KV cache "
+                                f"({self.blocks.num_blocks} blocks of {self.blocks.block_size})")
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or already done."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
+        self.detok.pop(request_id, None)
+        return True
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits [len, V] for every position of a token sequence (perplexity, quality reports)."""
+        self._check_prompt(token_ids)
+        seq = Sequence("score", list(token_ids), SamplingParams())
+        if self.scheduler.has_work() or not self.blocks.can_allocate(seq):
+            raise OutOfCapacity("score() needs an idle engine with room for the whole sequence")
+        self.blocks.allocate(seq, reuse=False)
+        try:
+            return self.runner.prompt_logits(seq)
+        finally:
+            self.blocks.free_seq(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], StepReport | None]:
+        """Run one batch; returns each touched request's new output and what the step did."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return [], None
+        t0 = time.monotonic_ns()
+        tokens = self.runner.run(batch)
+        report = StepReport(t0, time.monotonic_ns())
+        now = time.monotonic()
+        outputs = []
+        for (seq, n), token in zip(batch, tokens):
+            is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
+            report.tokens[seq.request_id] = (0, 1) if is_decode else (n, 0)
+            self.blocks.mark_computed(seq, n)
+            if token is not None:
+                outputs.append(self._append(seq, token, now))
+        return outputs, report
+
+    def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        p = seq.params
+        text, hit_stop = self.detok[seq.request_id].add(token)
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.info.eos_token_ids) or hit_stop:
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_new_tokens or len(seq) >= self.info.max_model_len:
+            reason = "length"
+        if reason is not None:
+            text += self.detok[seq.request_id].flush()
+            self.abort(seq.request_id, reason)
+        return RequestOutput(seq.request_id, [token], text, reason is not None, reason, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time)
+
+    def stats(self) -> dict:
+        """Queue, batch and KV-cache figures for `stats` and metrics."""
+        s = self.scheduler
+        return {"waiting": len(s.waiting), "running": len(s.running), "preemptions": s.num_preemptions,
+                "generated_tokens": self.num_generated_tokens, **self.blocks.stats()}

@@ -1,0 +1,105 @@
+"""The model runner: owns every tensor (weights, KV pool, RoPE tables) and runs one step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from o3edge.engine.checkpoint import ModelArgs
+from o3edge.engine.model import StepBatch, Transformer
+from o3edge.engine.rope import rope_tables
+from o3edge.engine.sampling import make_generator, sample
+from o3edge.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs the model on a batch of (sequence, new token count) pairs and samples their next tokens."""
+
+    def __init__(self, model: Transformer, args: ModelArgs, device: torch.device, dtype: torch.dtype,
+                 num_blocks: int, block_size: int, max_model_len: int, seed: int = 0):
+        self.model, self.args, self.device, self.dtype = model, args, device, dtype
+        self.block_size, self.num_blocks, self.max_model_len = block_size, num_blocks, max_model_len
+        self.cos, self.sin = rope_tables(args, max_model_len, device, dtype)
+        # the whole KV pool, allocated once: [layers, K/V, slots, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(args.num_layers, 2, num_blocks * block_size, args.num_kv_heads,
+                                    args.head_dim, device=device, dtype=dtype)
+        self.generators: dict[int, torch.Generator | None] = {}
+        self._seed = seed
+        self.last_logits: torch.Tensor | None = None
+
+    @staticmethod
+    def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one KV block takes across all layers."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
+
+    @torch.inference_mode()
+    def run(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
+        """Compute the new tokens' K/V and sample a token for each sequence whose prompt is now done."""
+        input_ids, positions, step = self.prepare(batch)
+        logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
+        self.last_logits = logits  # kept for tests and quality reports; no copy
+        done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
+        tokens: list[int | None] = [None] * len(batch)
+        if done:
+            seqs = [batch[i][0] for i in done]
+            picked = sample(logits[done], [s.params for s in seqs], [self._generator(s) for s in seqs])
+            for i, tok in zip(done, picked):
+                tokens[i] = tok
+        return tokens
+
+    @torch.inference_mode()
+    def prompt_logits(self, seq: Sequence) -> torch.Tensor:
+        """Float32 logits at every position of seq's uncomputed tokens: [n, V] (perplexity, reports)."""
+        input_ids, positions, step = self.prepare([(seq, seq.num_uncomputed)])
+        step.logits_index = torch.arange(len(input_ids), device=self.device)
+        return self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
+
+    def _generator(self, seq: Sequence):
+        if seq.seq_id not in self.generators:
+            self.generators[seq.seq_id] = make_generator(seq.params, self.device, self._seed + seq.seq_id)
+        return self.generators[seq.seq_id]
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished sequence's random stream."""
+        self.generators.pop(seq.seq_id, None)
+
+    def prepare(self, batch: list[tuple[Sequence, int]]):
+        """Flat input ids and positions, and the step's attention metadata, on the device."""
+        bs, B = self.block_size, len(batch)
+        starts = [seq.num_computed_tokens for seq, _ in batch]
+        counts = [n for _, n in batch]
+        Q = max(counts)
+        ids, pos, q_dest = [], [], []
+        for b, ((seq, n), start) in enumerate(zip(batch, starts)):
+            ids += seq.token_ids[start:start + n]
+            pos += range(start, start + n)
+            q_dest += range(b * Q, b * Q + n)
+        max_blocks = max(-(-(s + n) // bs) for s, n in zip(starts, counts))
+        tables = torch.zeros(B, max_blocks, dtype=torch.long)
+        for b, (seq, _) in enumerate(batch):
+            row = seq.block_table[:max_blocks]
+            tables[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        positions = torch.tensor(pos, dtype=torch.long)
+        flat_tables = tables.view(-1)
+        slot_mapping = flat_tables[(positions // bs) + _row_offsets(counts, max_blocks)] * bs + positions % bs
+        kv_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(B, max_blocks * bs)
+        key_pos = torch.arange(max_blocks * bs)
+        q_pos = torch.tensor(starts)[:, None] + torch.arange(Q)  # [B, Q]
+        ctx = torch.tensor([s + n for s, n in zip(starts, counts)])
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < ctx[:, None, None])
+        last = torch.tensor(counts).cumsum(0) - 1
+        dev = self.device
+        step = StepBatch(
+            slot_mapping=slot_mapping.to(dev), q_dest=torch.tensor(q_dest, dtype=torch.long).to(dev),
+            kv_slots=kv_slots.to(dev), attn_mask=mask[:, None].to(dev), num_seqs=B, max_q=Q,
+            logits_index=last.to(dev))
+        return torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), step
+
+
+def _row_offsets(counts: list[int], row_len: int) -> torch.Tensor:
+    """For each flat token, the offset of its sequence's row in the flattened block-table matrix."""
+    return torch.repeat_interleave(torch.arange(len(counts)) * row_len, torch.tensor(counts))

@@ -1,0 +1,106 @@
+"""A request's sequence as the scheduler and block manager see it, and its sampling settings."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+from o3edge.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; temperature 0 means greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= 1 << 20:
+            raise InvalidRequest(f"max_new_tokens must be an integer in [1, 1048576], got {self.max_new_tokens!r}")
+        if not _finite(self.temperature) or not 0 <= self.temperature <= 100:
+            raise InvalidRequest(f"temperature must be a finite number in [0, 100], got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= 1 << 20:
+            raise InvalidRequest(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63):
+            raise InvalidRequest(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if len(self.stop) > 16 or any(not isinstance(s, str) or not s or len(s) > 256 for s in self.stop):
+            raise InvalidRequest("stop must be at most 16 non-empty strings of at most 256 characters")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Priority(enum.IntEnum):
+    CRITICAL = 0
+    HIGH = 1
+    NORMAL = 2
+    LOW = 3
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids of one request (prompt then output) and where its KV lives."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    priority: Priority = Priority.NORMAL
+    deadline: float | None = None  # time.monotonic() seconds
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int = 0  # of those, found in the prefix cache rather than computed
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

@@ -1,0 +1,46 @@
+"""Shared fixtures: small random checkpoints made once per test session."""
+
+import os
+
+import pytest
+
+from o3edge.tiny import corpus, make_checkpoint
+
+# small variants of the tiny shape, one per family feature the engine must get right
+VARIANTS = {
+    "llama-tied": dict(family="llama"),
+    "llama3-rope-untied": dict(
+        family="llama", tie_word_embeddings=False, num_heads=4, num_kv_heads=1, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}),
+    "qwen2-bias": dict(family="qwen2", num_heads=8, num_kv_heads=4),
+    "qwen3-qknorm": dict(family="qwen3", num_heads=4, num_kv_heads=2, head_dim=96, tie_word_embeddings=False),
+    "mha-sharded": dict(family="llama", num_heads=4, num_kv_heads=4),
+}
+
+
+@pytest.fixture(scope="session")
+def texts():
+    return corpus(60)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, texts):
+    """name -> directory of a random checkpoint, made on first use."""
+    root = tmp_path_factory.mktemp("ckpt")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            spec = dict(VARIANTS[name])
+            shards = 2 if name == "mha-sharded" else 1
+            made[name] = make_checkpoint(os.path.join(root, name), seed=len(made), num_shards=shards,
+                                         texts=texts, **spec)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(checkpoints):
+    return checkpoints("llama-tied")
