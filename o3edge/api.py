@@ -68,6 +68,8 @@ class O3Model:
             outputs, _ = self.engine.step()
             now = time.perf_counter()
             for out in outputs:
+                if out.request_id not in parts:  # someone else's request on a shared engine
+                    continue
                 parts[out.request_id].append(out)
                 first.setdefault(out.request_id, now)
                 if out.finished:

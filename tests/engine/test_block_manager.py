@@ -1,0 +1,95 @@
+"""The block manager alone: plain Python, no tensors, deterministic."""
+
+from o3edge.engine.block_manager import BlockManager
+from o3edge.engine.sequence import SamplingParams, Sequence
+
+
+def seq(tokens):
+    return Sequence("r", list(tokens), SamplingParams())
+
+
+def computed(bm, s):
+    bm.allocate(s)
+    bm.mark_computed(s, s.num_uncomputed)
+    return s
+
+
+def test_repeated_prefix_reuses_full_blocks_and_always_leaves_a_token_to_compute():
+    bm = BlockManager(16, 4, "model-a")
+    first = computed(bm, seq(range(10)))  # blocks: [0..3] [4..7] [8,9]
+    again = seq(range(10))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 8
+    assert again.block_table[:2] == first.block_table[:2]
+    assert again.block_table[2] != first.block_table[2]  # the partial block is private
+    exact = seq(range(8))  # a prompt that is exactly two cached blocks still computes its last block
+    bm.allocate(exact)
+    assert exact.num_cached_tokens == 4
+
+
+def test_different_model_fingerprint_or_tokens_do_not_hit():
+    bm = BlockManager(16, 4, "model-a")
+    computed(bm, seq(range(10)))
+    other = BlockManager(16, 4, "model-b")
+    computed(other, seq(range(10)))
+    s = seq([0, 1, 2, 99, 4, 5, 6, 7, 8])
+    bm.allocate(s)
+    assert s.num_cached_tokens == 0
+    assert bm.blocks[bm.cached[next(iter(bm.cached))]].hash not in other.cached
+
+
+def test_refcounts_free_and_lru_eviction():
+    bm = BlockManager(4, 4, "m")
+    a = computed(bm, seq(range(9)))  # 3 blocks
+    assert bm.num_free_blocks == 1
+    bm.free_seq(a)
+    assert bm.num_free_blocks == 4
+    assert len(bm.cached) == 2  # freed full blocks stay findable
+    b = seq(range(9))
+    assert bm.can_allocate(b)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 8  # revived from the free list
+    bm.free_seq(b)
+    c = computed(bm, seq(range(100, 116)))  # needs all 4 blocks: evicts the cached ones
+    assert c.num_cached_tokens == 0 and bm.num_free_blocks == 0
+    assert len(bm.cached) == 4  # c's own four full blocks; the old prefix was evicted
+    bm.free_seq(c)
+    d = seq(range(9))
+    bm.allocate(d)
+    assert d.num_cached_tokens == 0
+
+
+def test_shared_blocks_stay_until_last_holder_leaves():
+    bm = BlockManager(8, 4, "m")
+    a = computed(bm, seq(range(9)))
+    b = seq(range(9))
+    bm.allocate(b)
+    shared = a.block_table[0]
+    assert bm.blocks[shared].ref_count == 2
+    bm.free_seq(a)
+    assert bm.blocks[shared].ref_count == 1 and shared not in bm.free
+    bm.free_seq(b)
+    assert shared in bm.free
+
+
+def test_decode_appends_blocks_and_names_them_when_full():
+    bm = BlockManager(8, 4, "m")
+    s = computed(bm, seq(range(3)))
+    for t in range(3, 9):
+        s.token_ids.append(t)
+        assert bm.can_append(s)
+        bm.append_slot(s)
+        bm.mark_computed(s, 1)
+    assert len(s.block_table) == 3
+    assert len(bm.cached) == 2  # [0..3] and [4..7] are full and computed
+    follow = seq(range(10))
+    bm.allocate(follow)
+    assert follow.num_cached_tokens == 8
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(8, 4, "m", prefix_caching=False)
+    computed(bm, seq(range(10)))
+    s = seq(range(10))
+    bm.allocate(s)
+    assert s.num_cached_tokens == 0 and not bm.cached

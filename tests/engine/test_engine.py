@@ -1,0 +1,205 @@
+"""The step-level engine: prefix reuse, preemption, chunked prefill, sampling, stops, errors."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from o3edge import O3Config, O3Model
+from o3edge.engine.sequence import SamplingParams
+from o3edge.engine.tokenizer import Detokenizer
+from o3edge.errors import CheckpointError, InvalidRequest, O3Error, PromptTooLong
+
+SYSTEM = "You are a careful assistant who answers questions about the Python standard library. " * 3
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def load(path, **kw):
+    return O3Model.from_config(O3Config(model_path=path, device="cpu", **kw))
+
+
+def run_all(engine):
+    """Step until idle; returns the list of step reports."""
+    reports = []
+    while engine.has_unfinished_requests():
+        _, report = engine.step()
+        reports.append(report)
+    return reports
+
+
+def test_prefix_hit_gives_identical_tokens_and_skips_cached_prefill(tiny_dir):
+    cold = load(tiny_dir, dynamic_kv_cache=False)
+    warm = load(tiny_dir, kv_block_size=16)
+    first, second = warm.engine.encode(SYSTEM + "What is os?"), warm.engine.encode(SYSTEM + "What is sys?")
+    expected = [cold.generate_batch([ids], GREEDY)[0].token_ids for ids in (first, second)]
+    assert warm.generate_batch([first], GREEDY)[0].token_ids == expected[0]
+    warm.engine.add_request("b", second, GREEDY)
+    reports = run_all(warm.engine)
+    seq_prefill = sum(r.tokens["b"][0] for r in reports)
+    common = len(os.path.commonprefix([first, second]))
+    cached = (common // 16) * 16
+    assert cached >= 32
+    assert seq_prefill == len(second) - cached  # the cached prefix was not computed again
+    assert warm.engine.blocks.num_hit_tokens >= cached
+    again = warm.generate_batch([second], GREEDY)[0]
+    assert again.token_ids == expected[1] and again.cached_tokens > 0
+
+
+def test_preempted_sequences_resume_with_identical_output(tiny_dir):
+    roomy = load(tiny_dir)
+    prompts = [roomy.engine.encode(f"def function_{i}(x):\n    return") for i in range(6)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = [r.token_ids for r in roomy.generate_batch(prompts, params)]
+    tight = load(tiny_dir, num_kv_blocks=10, kv_block_size=8)  # 6 sequences need ~30 blocks at the end
+    got = [r.token_ids for r in tight.generate_batch(prompts, params)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    assert tight.engine.blocks.num_free_blocks == 10
+
+
+def test_chunked_prefill_bounds_each_step_and_keeps_output(tiny_dir):
+    whole = load(tiny_dir)
+    chunked = load(tiny_dir, max_num_batched_tokens=16)
+    long_prompt = whole.engine.encode(SYSTEM * 2)
+    short = whole.engine.encode("import re")
+    expected = [r.token_ids for r in whole.generate_batch([short, long_prompt], GREEDY)]
+    chunked.engine.add_request("short", short, GREEDY)
+    chunked.engine.step()  # the short request is decoding when the long one arrives
+    chunked.engine.add_request("long", long_prompt, GREEDY)
+    outputs = {"short": [], "long": []}
+    while chunked.engine.has_unfinished_requests():
+        outs, report = chunked.engine.step()
+        assert report.num_prefill_tokens + report.num_decode_tokens <= 16
+        if "short" in report.tokens and "long" in report.tokens:
+            assert report.tokens["short"] == (0, 1)  # decode keeps going during the long prefill
+        for o in outs:
+            outputs[o.request_id] += o.token_ids
+    assert outputs["long"] == expected[1]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(tiny_dir):
+    m = load(tiny_dir)
+    ids = m.engine.encode("The ")
+    p = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=7, ignore_eos=True)
+    alone = m.generate_batch([ids], p)[0].token_ids
+    batched = m.generate_batch([ids, m.engine.encode("while True:")], p)[0].token_ids
+    assert alone == batched
+    other = m.generate_batch([ids], SamplingParams(**{**p.__dict__, "seed": 8}))[0].token_ids
+    assert other != alone
+    top1 = m.generate_batch([ids], SamplingParams(max_new_tokens=20, temperature=0.9, top_k=1, ignore_eos=True))
+    assert top1[0].token_ids == m.generate_batch([ids], SamplingParams(max_new_tokens=20, ignore_eos=True))[0].token_ids
+
+
+def test_stop_strings_and_stop_tokens(tiny_dir):
+    m = load(tiny_dir)
+    full = m.generate("def main(", max_new_tokens=30)
+    stop = full.text[10:14]
+    cut = m.generate("def main(", max_new_tokens=30, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.find(stop)]
+    token = full.token_ids[5]
+    ids = m.engine.encode("def main(")
+    r = m.generate_batch([ids], SamplingParams(max_new_tokens=30, stop_token_ids=(token,)))[0]
+    assert r.finish_reason == "stop" and r.token_ids[-1] == token and len(r.token_ids) <= 6
+    assert full.finish_reason == "length" and len(full.token_ids) == 30
+
+
+def test_streamed_text_equals_decoded_tokens(tiny_dir):
+    m = load(tiny_dir)
+    parts = list(m.stream("print('héllo wörld ✓')", max_new_tokens=40, temperature=1.0, seed=3))
+    ids = [t for p in parts for t in p.token_ids]
+    assert "".join(p.text for p in parts) == m.tokenizer.decode(ids)
+    assert parts[-1].finished and m.engine.blocks.num_free_blocks == m.engine.blocks.num_blocks
+
+
+def test_detokenizer_holds_back_partial_utf8_and_partial_stops(tiny_dir):
+    m = load(tiny_dir)
+    ids = m.tokenizer.encode("naïve ✓ café", add_special_tokens=False)
+    d = Detokenizer(m.tokenizer, stop=("✓ c",))
+    shown = ""
+    for t in ids:
+        delta, hit = d.add(t)
+        assert "\ufffd" not in delta
+        shown += delta
+        if hit:
+            break
+    assert hit and shown == "naïve "
+
+
+def test_chat_template_matches_transformers(tiny_dir):
+    transformers = pytest.importorskip("transformers")
+    m = load(tiny_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is json?"}]
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert m.engine.encode(messages=messages) == list(expected)
+    r = m.generate(messages=messages, max_new_tokens=8)
+    assert r.prompt_tokens == len(expected)
+
+
+def test_abort_frees_blocks(tiny_dir):
+    m = load(tiny_dir)
+    e = m.engine
+    e.add_request("x", e.encode(SYSTEM), GREEDY)
+    e.step()
+    assert e.blocks.num_free_blocks < e.blocks.num_blocks
+    assert e.abort("x") and not e.abort("x")
+    assert e.blocks.num_free_blocks == e.blocks.num_blocks and not e.has_unfinished_requests()
+
+
+def test_bad_requests_get_coded_errors(tiny_dir):
+    m = load(tiny_dir, max_model_len=64)
+    e = m.engine
+    with pytest.raises(PromptTooLong) as exc:
+        e.add_request("a", list(range(64)), GREEDY)
+    assert exc.value.code == "prompt_too_long"
+    for bad in (dict(temperature=float("nan")), dict(top_p=0), dict(max_new_tokens=0), dict(top_k=-1),
+                dict(seed=-1), dict(stop=("",))):
+        with pytest.raises(InvalidRequest):
+            SamplingParams(**bad)
+    with pytest.raises(InvalidRequest):
+        e.add_request("b", [e.info.args.vocab_size], GREEDY)
+    e.add_request("c", [1, 2], GREEDY)
+    with pytest.raises(InvalidRequest):
+        e.add_request("c", [1, 2], GREEDY)
+    with pytest.raises(InvalidRequest):
+        m.generate(messages=[{"role": "user"}])
+    e.abort("c")
+    # generation stops at the context window
+    r = m.generate_batch([list(range(1, 60))], SamplingParams(max_new_tokens=100, ignore_eos=True))[0]
+    assert r.finish_reason == "length" and r.prompt_tokens + len(r.token_ids) == 64
+
+
+def broken(tmp_path, tiny_dir, name):
+    d = tmp_path / name
+    shutil.copytree(tiny_dir, d)
+    return d
+
+
+def test_broken_checkpoints_name_the_problem(tmp_path, tiny_dir):
+    d = broken(tmp_path, tiny_dir, "arch")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, architectures=["GPT2LMHeadModel"])))
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel.*not supported"):
+        load(str(d))
+    d = broken(tmp_path, tiny_dir, "trunc")
+    w = d / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load(str(d))
+    d = broken(tmp_path, tiny_dir, "shape")
+    (d / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=cfg["intermediate_size"] + 8)))
+    with pytest.raises(CheckpointError, match="mlp.gate_up.weight has shape"):
+        load(str(d))
+    d = broken(tmp_path, tiny_dir, "notok")
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json not found"):
+        load(str(d))
+    d = broken(tmp_path, tiny_dir, "noconf")
+    (d / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        load(str(d))
+    with pytest.raises(O3Error, match="not a directory"):
+        load(str(tmp_path / "absent"))
