@@ -11,7 +11,9 @@ import torch
 from o3edge.config import O3Config
 from o3edge.engine.block_manager import BlockManager
 from o3edge.engine.checkpoint import ModelArgs, fingerprint
+from o3edge.engine.engine_dir import built_dtype
 from o3edge.engine.loader import load_model
+from o3edge.engine.quant import int4_tag
 from o3edge.engine.runner import ModelRunner
 from o3edge.engine.scheduler import Scheduler
 from o3edge.engine.sequence import Priority, SamplingParams, Sequence
@@ -77,9 +79,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, built: torch.dtype | None = None) -> torch.dtype:
+    """The dtype to run in; "auto" takes an engine directory's built dtype when there is one."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return built or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return getattr(torch, name)
 
 
@@ -90,14 +93,16 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.config = config
         device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        model, args = load_model(model_dir, device, dtype)
+        dtype = resolve_dtype(config.dtype, device, built_dtype(model_dir))
+        model, args = load_model(model_dir, device, dtype, config.int4_ffn, config.int4_group_size)
         self.tokenizer = Tokenizer(model_dir)
         max_len = min(config.max_model_len or min(args.max_position_embeddings, 4096), args.max_position_embeddings)
         block_bytes = ModelRunner.block_bytes(args, config.kv_block_size, dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_mb * (1 << 20) // block_bytes)
         self.runner = ModelRunner(model, args, device, dtype, num_blocks, config.kv_block_size, max_len, config.seed)
-        fp = fingerprint(model_dir)
+        if device.type == "cuda" and config.cuda_graphs:
+            self.runner.enable_static_decode(config.max_num_seqs, capture=True)
+        fp = fingerprint(model_dir) + int4_tag(model)  # INT4 made at load changes the logits: not the same model
         self.blocks = BlockManager(num_blocks, config.kv_block_size, f"{fp}:{dtype}", config.dynamic_kv_cache)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         eos = args.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(self.tokenizer.eos_token)] if t is not None)

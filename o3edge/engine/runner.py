@@ -7,6 +7,7 @@ import logging
 import torch
 
 from o3edge.engine.checkpoint import ModelArgs
+from o3edge.engine.cuda_graph import DecodeGraphs
 from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.rope import rope_tables
 from o3edge.engine.sampling import make_generator, sample
@@ -23,9 +24,12 @@ class ModelRunner:
         self.model, self.args, self.device, self.dtype = model, args, device, dtype
         self.block_size, self.num_blocks, self.max_model_len = block_size, num_blocks, max_model_len
         self.cos, self.sin = rope_tables(args, max_model_len, device, dtype)
-        # the whole KV pool, allocated once: [layers, K/V, slots, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(args.num_layers, 2, num_blocks * block_size, args.num_kv_heads,
+        # the whole KV pool, allocated once: [layers, K/V, slots, kv_heads, head_dim]; one extra
+        # block at the end is scratch space that padded rows of static-shape steps write into
+        self.kv_cache = torch.zeros(args.num_layers, 2, (num_blocks + 1) * block_size, args.num_kv_heads,
                                     args.head_dim, device=device, dtype=dtype)
+        self.scratch_slot = num_blocks * block_size
+        self.graphs: DecodeGraphs | None = None
         self.generators: dict[int, torch.Generator | None] = {}
         self._seed = seed
         self.last_logits: torch.Tensor | None = None
@@ -36,11 +40,20 @@ class ModelRunner:
         elem = torch.tensor([], dtype=dtype).element_size()
         return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
 
+    def enable_static_decode(self, max_batch: int, capture: bool) -> None:
+        """Run decode steps on static buffers; with capture, replay them from CUDA graphs."""
+        self.graphs = DecodeGraphs(self, max_batch, capture)
+        if capture:
+            self.graphs.capture_all()
+
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
         """Compute the new tokens' K/V and sample a token for each sequence whose prompt is now done."""
-        input_ids, positions, step = self.prepare(batch)
-        logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)
+        else:
+            input_ids, positions, step = self.prepare(batch)
+            logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
         tokens: list[int | None] = [None] * len(batch)

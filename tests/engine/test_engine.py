@@ -203,3 +203,17 @@ def test_broken_checkpoints_name_the_problem(tmp_path, tiny_dir):
         load(str(d))
     with pytest.raises(O3Error, match="not a directory"):
         load(str(tmp_path / "absent"))
+
+
+def test_static_shape_decode_path_matches_eager(tiny_dir):
+    """The padded, bucketed decode path (what CUDA graphs replay) gives the eager path's tokens."""
+    eager = load(tiny_dir, kv_block_size=8)
+    static = load(tiny_dir, kv_block_size=8, max_model_len=300)
+    static.engine.runner.enable_static_decode(max_batch=8, capture=False)
+    prompts = [eager.engine.encode(p) for p in ("a = 1", "import json\n" * 30, "def f(x):", "#!", "b")]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    expected = [r.token_ids for r in eager.generate_batch(prompts, params)]
+    assert [r.token_ids for r in static.generate_batch(prompts, params)] == expected
+    graphs = static.engine.runner.graphs
+    assert graphs.len_buckets == [256, 304] and graphs.batch_buckets == [1, 2, 4, 8]
+    assert graphs.num_steps == 29  # every decode step of the 5-sequence batch (padded to 8) took it
