@@ -38,3 +38,9 @@ class OutOfCapacity(O3Error):
     """The KV cache cannot hold the request, even with everything else evicted."""
 
     code = "out_of_capacity"
+
+
+class Busy(O3Error):
+    """The queue is full or the request's class is shedding load; try again later."""
+
+    code = "busy"

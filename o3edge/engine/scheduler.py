@@ -1,78 +1,175 @@
-"""Continuous batching: which sequences run in the next step, and with how many new tokens.
+"""Continuous batching with priorities: which sequences run in the next step, with how many tokens.
 
-Each step has a token budget. Running sequences go first (a decoding one needs one token, a
-prompt still being prefilled takes a chunk of what is left), then waiting ones are admitted while
-budget, batch slots and KV blocks last. So a long prompt is split into chunks and never stalls the
-running decodes for more than one chunk. Plain Python: no tensors, deterministic.
+Each step has a token budget. Running sequences go first (a decoding one needs one token, a prompt
+still being prefilled takes a chunk of what is left), then waiting ones are admitted in order of
+priority class, then earliest deadline, then arrival, while budget, batch slots, per-class limits and
+KV blocks last. A long prompt is thus split into chunks and never stalls running decodes for more
+than one chunk. When blocks or slots run out, the least important, newest running sequence is
+preempted (its blocks freed, its tokens recomputed on resume) — to admit a more important waiting
+one, or to let a more important running one grow. Plain Python: no tensors; the clock is given.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import math
+import time
+from dataclasses import dataclass
 
 from o3edge.engine.block_manager import BlockManager
-from o3edge.engine.sequence import Sequence, SequenceStatus
+from o3edge.engine.breaker import OPEN, Breaker
+from o3edge.engine.sequence import Priority, Sequence, SequenceStatus
+from o3edge.errors import Busy
+
+
+@dataclass(frozen=True)
+class ClassPolicy:
+    """One priority class: its queue-wait budget, concurrent sequences, and breaker."""
+
+    max_wait_ms: int
+    max_concurrent: int
+    breaker_threshold: int
+    breaker_cooldown_ms: int = 5000
+
+
+# the article's table; `low` is ours: long waits tolerated, breaker slow to trip
+DEFAULT_POLICY = {
+    Priority.CRITICAL: ClassPolicy(50, 8, 3),
+    Priority.HIGH: ClassPolicy(200, 16, 5),
+    Priority.NORMAL: ClassPolicy(1000, 32, 10),
+    Priority.LOW: ClassPolicy(5000, 32, 20),
+}
+
+
+def _key(seq: Sequence):
+    return (seq.priority, seq.deadline if seq.deadline is not None else math.inf, seq.arrival_time, seq.seq_id)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: dict | None = None, max_queue_requests: int = 1 << 30,
+                 max_queue_prompt_tokens: int = 1 << 62, clock=time.monotonic):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.clock = clock
+        self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []
+        self.expired: list[Sequence] = []  # finished by deadline since the engine last looked
         self.num_preemptions = 0
+        self.set_limits(policy or DEFAULT_POLICY, max_queue_requests, max_queue_prompt_tokens)
 
+    def set_limits(self, policy: dict, max_queue_requests: int, max_queue_prompt_tokens: int) -> None:
+        """Apply (or re-apply, on reload) class policies and queue bounds; breaker states persist."""
+        self.policy = {Priority(k): v for k, v in policy.items()}
+        old = getattr(self, "breakers", {})
+        self.breakers = {p: old.get(p) or Breaker(v.breaker_threshold, v.breaker_cooldown_ms / 1000)
+                         for p, v in self.policy.items()}
+        for p, b in self.breakers.items():
+            b.threshold, b.cooldown_s = self.policy[p].breaker_threshold, self.policy[p].breaker_cooldown_ms / 1000
+        self.max_queue_requests, self.max_queue_prompt_tokens = max_queue_requests, max_queue_prompt_tokens
+
+    # ---- admission to the queue ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue seq, or raise Busy: queue full, or its class (and every lower one) shedding load."""
+        if len(self.waiting) >= self.max_queue_requests:
+            raise Busy(f"the queue is full ({self.max_queue_requests} requests waiting)")
+        if sum(len(s) for s in self.waiting) + len(seq) > self.max_queue_prompt_tokens:
+            raise Busy(f"the queue is full ({self.max_queue_prompt_tokens} prompt tokens waiting)")
+        now, cls = self.clock(), seq.priority
+        while self.breakers[cls].current(now) == OPEN:
+            if cls == Priority.LOW:
+                raise Busy(f"priority class {seq.priority.name.lower()} is shedding load (circuit breaker open)")
+            cls = Priority(cls + 1)
+        if cls != seq.priority:
+            seq.requested_priority, seq.priority = seq.priority, cls
+        self._enqueue(seq, now)
+
+    def _enqueue(self, seq: Sequence, now: float) -> None:
+        seq.status, seq.enqueue_time = SequenceStatus.WAITING, now
+        bisect.insort(self.waiting, seq, key=_key)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- the step's batch ------------------------------------------------------------------------
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step's batch: (sequence, number of new tokens to compute) pairs."""
-        budget, batch = self.token_budget, []
+        now = self.clock()
+        self._expire(now)
+        batch: dict[Sequence, int] = {}
         for seq in list(self.running):
-            if budget == 0:
+            if self.token_budget - sum(batch.values()) == 0:
                 break
-            if seq not in self.running:  # preempted to make room earlier in this loop
+            if seq in self.running and self._make_room(seq, batch):
+                batch[seq] = min(seq.num_uncomputed, self.token_budget - sum(batch.values()))
+        self._admit(now, batch)
+        return list(batch.items())
+
+    def _expire(self, now: float) -> None:
+        """Finish sequences past their deadline; count queue waits past the class budget."""
+        for seq in [s for s in self.running + self.waiting if s.deadline is not None and s.deadline <= now]:
+            if seq.status == SequenceStatus.WAITING and not seq.was_admitted:
+                self._timed_out(seq, now)
+            self.finish(seq, "deadline_exceeded")
+            self.expired.append(seq)
+        for seq in self.waiting:
+            if not seq.was_admitted and now - seq.enqueue_time > self.policy[seq.priority].max_wait_ms / 1000:
+                self._timed_out(seq, now)
+
+    def _timed_out(self, seq: Sequence, now: float) -> None:
+        if not seq.wait_timed_out:
+            seq.wait_timed_out = True
+            self.breakers[seq.priority].record_timeout(now)
+
+    def _admit(self, now: float, batch: dict) -> None:
+        for seq in list(self.waiting):
+            budget = self.token_budget - sum(batch.values())
+            if budget <= 0:
+                return
+            if self._class_running(seq.priority) >= self.policy[seq.priority].max_concurrent:
                 continue
-            if not self._make_room(seq):
-                continue
-            n = min(seq.num_uncomputed, budget)
-            batch.append((seq, n))
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq):
-                break
-            self.waiting.popleft()
+            while len(self.running) >= self.max_num_seqs or not self.blocks.can_allocate(seq):
+                victim = self._victim()
+                if victim is None or victim.priority <= seq.priority:
+                    return  # nothing less important to make room with: keep the order
+                self.preempt(victim, batch)
+            self.waiting.remove(seq)
             self.blocks.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed, budget)
-            batch.append((seq, n))
-            budget -= n
-        return batch
+            if not seq.was_admitted:
+                seq.was_admitted = True
+                if not seq.wait_timed_out:
+                    self.breakers[seq.priority].record_success(now)
+            batch[seq] = min(seq.num_uncomputed, self.token_budget - sum(batch.values()))
 
-    def _make_room(self, seq: Sequence) -> bool:
-        """Ensure seq has a block for its next token, preempting the newest others if needed."""
+    def _class_running(self, priority: Priority) -> int:
+        return sum(1 for s in self.running if s.priority == priority)
+
+    def _victim(self) -> Sequence | None:
+        """The least important running sequence, newest first among equals."""
+        return max(self.running, key=lambda s: (s.priority, s.arrival_time, s.seq_id), default=None)
+
+    def _make_room(self, seq: Sequence, batch: dict) -> bool:
+        """Ensure seq has a block for its next token, preempting less important (or newer) ones."""
         while not self.blocks.can_append(seq):
-            victim = self.running[-1]
-            self.preempt(victim)
+            victim = self._victim()
+            self.preempt(victim, batch)
             if victim is seq:
                 return False
         self.blocks.append_slot(seq)
         return True
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free seq's blocks and put it back first in line; its tokens are recomputed on resume."""
+    def preempt(self, seq: Sequence, batch: dict | None = None) -> None:
+        """Free seq's blocks and queue it again; its tokens are recomputed when it resumes."""
+        if batch is not None:
+            batch.pop(seq, None)
         self.running.remove(seq)
         self.blocks.free_seq(seq)
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, seq.enqueue_time)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take seq out of the queues and release its blocks."""
@@ -83,3 +180,9 @@ class Scheduler:
         if seq.block_table:
             self.blocks.free_seq(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def stats(self) -> dict:
+        now = self.clock()
+        return {p.name.lower(): {"waiting": sum(1 for s in self.waiting if s.priority == p),
+                                 "running": self._class_running(p), "breaker": self.breakers[p].stats(now)}
+                for p in Priority}

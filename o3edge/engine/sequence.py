@@ -82,6 +82,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    enqueue_time: float = 0.0  # when it last entered the waiting queue (scheduler clock)
+    was_admitted: bool = False
+    wait_timed_out: bool = False  # waited longer than its class allows (counted once)
+    requested_priority: Priority | None = None  # set when a breaker demoted it
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

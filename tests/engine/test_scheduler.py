@@ -1,0 +1,169 @@
+"""The scheduler alone, with a controllable clock: ordering, deadlines, breaker, admission, chunks."""
+
+import pytest
+
+from o3edge.engine.block_manager import BlockManager
+from o3edge.engine.breaker import CLOSED, HALF_OPEN, OPEN
+from o3edge.engine.scheduler import ClassPolicy, Scheduler
+from o3edge.engine.sequence import Priority, SamplingParams, Sequence
+from o3edge.errors import Busy
+
+C, H, N, L = Priority.CRITICAL, Priority.HIGH, Priority.NORMAL, Priority.LOW
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(num_blocks=64, max_seqs=8, budget=64, **kw):
+    clock = Clock()
+    sched = Scheduler(BlockManager(num_blocks, 4, "m"), max_seqs, budget, clock=clock, **kw)
+    return sched, clock
+
+
+def seq(name, n=4, priority=N, deadline=None, arrival=0.0, first=0):
+    s = Sequence(name, list(range(first, first + n)), SamplingParams(), priority, deadline)
+    s.arrival_time = arrival
+    return s
+
+
+def step(sched, batch, sampled=True):
+    """What the engine does after a step: mark computed, append a token where the prompt is done."""
+    for s, n in batch:
+        sched.blocks.mark_computed(s, n)
+        if sampled and s.num_computed_tokens == len(s):
+            s.token_ids.append(7)
+
+
+def names(batch):
+    return [s.request_id for s, _ in batch]
+
+
+def test_order_is_class_then_deadline_then_arrival():
+    sched, _ = make(max_seqs=3)
+    for s in (seq("low", priority=L, arrival=1), seq("n-late", deadline=500, arrival=2),
+              seq("n-early", deadline=200, arrival=3), seq("n-none", arrival=0), seq("crit", priority=C, arrival=9)):
+        sched.add(s)
+    assert names(sched.schedule()) == ["crit", "n-early", "n-late"]
+
+
+def test_expired_in_queue_never_runs_and_running_ones_stop():
+    sched, clock = make(max_seqs=1)
+    a, b = seq("a", deadline=101.0), seq("b", deadline=102.0)
+    sched.add(a)
+    sched.add(b)
+    step(sched, sched.schedule())  # a runs, b waits (one slot)
+    clock.t = 101.5
+    batch = sched.schedule()
+    assert [s.request_id for s in sched.expired] == ["a"] and a.finish_reason == "deadline_exceeded"
+    assert names(batch) == ["b"]
+    clock.t = 103
+    sched.schedule()
+    assert b.finish_reason == "deadline_exceeded" and not sched.has_work()
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_breaker_opens_after_threshold_timeouts_degrades_then_recovers():
+    policy = {C: ClassPolicy(50, 1, 2, breaker_cooldown_ms=1000), H: ClassPolicy(200, 8, 5),
+              N: ClassPolicy(1000, 8, 10), L: ClassPolicy(5000, 8, 20)}
+    sched, clock = make(policy=policy)
+    hog = seq("hog", priority=C)
+    sched.add(hog)
+    step(sched, sched.schedule())  # the one critical slot is taken
+    waiting = [seq(f"c{i}", priority=C) for i in range(2)]
+    for s in waiting:
+        sched.add(s)
+    clock.t += 0.06  # both wait past the 50 ms budget
+    sched.schedule()
+    br = sched.breakers[C]
+    assert br.current(clock.t) == OPEN and br.times_opened == 1
+    late = seq("late", priority=C)
+    sched.add(late)
+    assert late.priority == H and late.requested_priority == C  # degraded one class while open
+    clock.t += 1.0
+    assert br.current(clock.t) == HALF_OPEN
+    for s in [hog, late, *waiting]:
+        sched.finish(s, "stop")
+    fresh = seq("fresh", priority=C)
+    sched.add(fresh)
+    assert fresh.priority == C
+    assert names(sched.schedule()) == ["fresh"]  # admitted within its budget: the breaker closes
+    assert br.current(clock.t) == CLOSED
+
+
+def test_open_breaker_on_low_refuses_with_busy():
+    policy = {p: ClassPolicy(0, 8, 1) for p in Priority}
+    sched, clock = make(max_seqs=1, policy=policy)
+    sched.add(seq("x", priority=L))
+    sched.add(seq("y", priority=L))
+    clock.t += 0.01
+    sched.schedule()  # y has waited past a 0 ms budget
+    with pytest.raises(Busy, match="circuit breaker open"):
+        sched.add(seq("z", priority=L))
+
+
+def test_bounded_queue_says_busy():
+    sched, _ = make(max_queue_requests=2, max_queue_prompt_tokens=10)
+    sched.add(seq("a", n=4))
+    sched.add(seq("b", n=4))
+    with pytest.raises(Busy, match="2 requests"):
+        sched.add(seq("c", n=1))
+    sched.schedule()
+    with pytest.raises(Busy, match="10 prompt tokens"):
+        sched.add(seq("d", n=11))
+
+
+def test_chunk_budget_and_decodes_first():
+    sched, _ = make(budget=8)
+    d = seq("decoder", n=3)
+    sched.add(d)
+    step(sched, sched.schedule())
+    long = seq("long", n=30)
+    sched.add(long)
+    seen = []
+    while long.num_output_tokens == 0:
+        batch = dict(sched.schedule())
+        assert sum(batch.values()) <= 8 and batch[d] == 1
+        seen.append(batch[long])
+        step(sched, list(batch.items()))
+    assert seen == [7, 7, 7, 7, 2]
+
+
+def test_class_concurrency_limit():
+    policy = {C: ClassPolicy(50, 8, 3), H: ClassPolicy(200, 16, 5), N: ClassPolicy(1000, 2, 10),
+              L: ClassPolicy(5000, 8, 20)}
+    sched, _ = make(policy=policy)
+    for i in range(3):
+        sched.add(seq(f"n{i}"))
+    sched.add(seq("l", priority=L))
+    assert names(sched.schedule()) == ["n0", "n1", "l"]
+
+
+def test_critical_preempts_low_when_slots_are_full_and_low_resumes():
+    sched, _ = make(max_seqs=2)
+    lows = [seq(f"low{i}", priority=L, arrival=i) for i in range(2)]
+    for s in lows:
+        sched.add(s)
+    step(sched, sched.schedule())
+    crit = seq("crit", priority=C, arrival=5)
+    sched.add(crit)
+    batch = sched.schedule()
+    assert "crit" in names(batch) and "low1" not in names(batch)  # the newest low one made room
+    assert lows[1].num_preemptions == 1 and lows[1] in sched.waiting and not lows[1].block_table
+    sched.finish(crit, "stop")
+    assert "low1" in names(sched.schedule())
+
+
+def test_block_pressure_preempts_least_important():
+    sched, _ = make(num_blocks=4, max_seqs=4)
+    hi, lo = seq("hi", n=7, priority=H), seq("lo", n=7, priority=L, arrival=1, first=100)
+    sched.add(hi)
+    sched.add(lo)
+    step(sched, sched.schedule())  # 2 blocks each, all 4 used; 8 tokens each after sampling
+    step(sched, sched.schedule())  # the 8th token fits; 9 tokens each after sampling
+    step(sched, sched.schedule())  # both need a third block now: lo is preempted for hi
+    assert lo.status.value == "waiting" and hi.status.value == "running" and len(hi.block_table) == 3
