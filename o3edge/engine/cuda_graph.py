@@ -52,7 +52,8 @@ class DecodeGraphs:
 
     def _step_batch(self, B: int, S: int) -> StepBatch:
         return StepBatch(slot_mapping=self.slot_mapping[:B], q_dest=self.arange[:B], kv_slots=self.kv_slots[:B, :S],
-                         attn_mask=self.mask[:B, :, :, :S], num_seqs=B, max_q=1, logits_index=self.arange[:B])
+                         attn_mask=self.mask[:B, :, :, :S], num_seqs=B, max_q=1, logits_index=self.arange[:B],
+                         dense=True)
 
     def _forward(self, B: int, S: int) -> torch.Tensor:
         r = self.runner

@@ -27,6 +27,7 @@ class StepBatch:
     num_seqs: int  # B
     max_q: int  # Q
     logits_index: torch.Tensor  # [B] flat index of each sequence's last new token
+    dense: bool = False  # every sequence has exactly Q new tokens: the padded view is the flat one
 
 
 class RMSNorm(nn.Module):
@@ -56,13 +57,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, batch: StepBatch, k_cache, v_cache):
         # x: [T, D]; cos, sin: [T, hd]; k_cache, v_cache: [num_slots, KVH, hd]
         T = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        H, KVH = self.num_heads, self.num_kv_heads
+        qk, v = qkv[:, :H + KVH], qkv[:, H + KVH:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k rotated together: half the kernels
+        q, k = qk[:, :H], qk[:, H:]
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
         out = paged_attention(q, k_cache, v_cache, batch)  # [T, H, hd]
@@ -73,14 +74,15 @@ def paged_attention(q, k_cache, v_cache, batch: StepBatch) -> torch.Tensor:
     """q: [T, H, hd] -> [T, H, hd], attending to each sequence's keys through its slot table."""
     B, Q = batch.num_seqs, batch.max_q
     T, H, hd = q.shape
-    padded = q.new_zeros(B * Q, H, hd).index_copy_(0, batch.q_dest, q)
+    padded = q if batch.dense else q.new_zeros(B * Q, H, hd).index_copy_(0, batch.q_dest, q)
     qp = padded.view(B, Q, H, hd).transpose(1, 2)  # [B, H, Q, hd]
     S = batch.kv_slots.shape[1]
     flat = batch.kv_slots.reshape(-1)  # index_select: advanced indexing is ~1000x slower on CPU
     kp = k_cache.index_select(0, flat).view(B, S, *k_cache.shape[1:]).transpose(1, 2)  # [B, KVH, S, hd]
     vp = v_cache.index_select(0, flat).view(B, S, *v_cache.shape[1:]).transpose(1, 2)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.attn_mask, enable_gqa=True)
-    return out.transpose(1, 2).reshape(B * Q, H, hd).index_select(0, batch.q_dest)
+    out = out.transpose(1, 2).reshape(B * Q, H, hd)
+    return out if batch.dense else out.index_select(0, batch.q_dest)
 
 
 class MLP(nn.Module):

@@ -109,7 +109,7 @@ class ModelRunner:
         step = StepBatch(
             slot_mapping=slot_mapping.to(dev), q_dest=torch.tensor(q_dest, dtype=torch.long).to(dev),
             kv_slots=kv_slots.to(dev), attn_mask=mask[:, None].to(dev), num_seqs=B, max_q=Q,
-            logits_index=last.to(dev))
+            logits_index=last.to(dev), dense=all(n == Q for n in counts))
         return torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), step
 
 
