@@ -131,10 +131,10 @@ class LLMEngine:
         if request_id in self.seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids)
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority, deadline)
+        seq = Sequence(request_id, list(prompt_token_ids), params, Priority(priority), deadline)
+        self.scheduler.add(seq)  # raises Busy when the queue is full or the class is shedding load
         self.seqs[request_id] = seq
         self.detok[request_id] = Detokenizer(self.tokenizer, params.stop)
-        self.scheduler.add(seq)
         return seq
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -178,13 +178,14 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], StepReport | None]:
         """Run one batch; returns each touched request's new output and what the step did."""
         batch = self.scheduler.schedule()
+        outputs = [self._expired(seq) for seq in self.scheduler.expired]
+        self.scheduler.expired.clear()
         if not batch:
-            return [], None
+            return outputs, None
         t0 = time.monotonic_ns()
         tokens = self.runner.run(batch)
         report = StepReport(t0, time.monotonic_ns())
         now = time.monotonic()
-        outputs = []
         for (seq, n), token in zip(batch, tokens):
             is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
             report.tokens[seq.request_id] = (0, 1) if is_decode else (n, 0)
@@ -211,8 +212,15 @@ class LLMEngine:
         return RequestOutput(seq.request_id, [token], text, reason is not None, reason, seq.num_prompt_tokens,
                              seq.num_output_tokens, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time)
 
+    def _expired(self, seq: Sequence) -> RequestOutput:
+        """The last output of a request whose deadline passed (queued: never run; running: cut)."""
+        text = self.detok[seq.request_id].flush()
+        self.abort(seq.request_id, "deadline_exceeded")
+        return RequestOutput(seq.request_id, [], text, True, "deadline_exceeded", seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time)
+
     def stats(self) -> dict:
         """Queue, batch and KV-cache figures for `stats` and metrics."""
         s = self.scheduler
         return {"waiting": len(s.waiting), "running": len(s.running), "preemptions": s.num_preemptions,
-                "generated_tokens": self.num_generated_tokens, **self.blocks.stats()}
+                "generated_tokens": self.num_generated_tokens, "classes": s.stats(), **self.blocks.stats()}

@@ -1,24 +1,86 @@
-"""Turning checkpoint tensors into a ready Transformer on the chosen device and dtype."""
+"""Turning checkpoint tensors into a ready Transformer on the chosen device and dtype.
+
+Two sources: a Hugging Face checkpoint (renamed, fused and cast here; INT4 quantized here when
+asked) or an o3edge engine directory (already in our names, dtype and INT4 layout: mmap + assign).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import logging
+import os
+from typing import Callable
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 from o3edge.engine.checkpoint import ModelArgs, load_tensors, read_model_args
+from o3edge.engine.engine_dir import is_engine_dir, load_weights, read_manifest
 from o3edge.engine.model import Transformer, hf_weight_map
+from o3edge.engine.quant import quantizable, quantize_int4, swap_to_int4
 from o3edge.errors import CheckpointError
 
+log = logging.getLogger(__name__)
 
-def build_state_dict(args: ModelArgs, tensors: dict, dtype: torch.dtype) -> dict:
-    """Our state dict from Hugging Face tensors: fused q/k/v and gate/up, cast to dtype."""
+INT4_SUFFIXES = (".qweight", ".scales_and_zeros")
+
+
+class _SkipInit(TorchFunctionMode):
+    """Skip torch.nn.init's random fills: on meta they run Python decompositions, and the first of
+    those imports torch._dynamo (seconds of cold start) for weights that are assigned right after."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta():
+    """Build modules on the meta device, uninitialized."""
+    with torch.device("meta"), _SkipInit():
+        yield
+
+
+def int4_modules(args: ModelArgs, group_size: int) -> list[str]:
+    """The FFN projections of this architecture that INT4 applies to."""
+    with on_meta():
+        return quantizable(Transformer(args), group_size)
+
+
+def build_state_dict(args: ModelArgs, tensors: dict, dtype: torch.dtype, int4_group_size: int | None = None,
+                     progress: Callable[[str], None] | None = None) -> dict:
+    """Our state dict from Hugging Face tensors: fused q/k/v and gate/up, cast to dtype.
+
+    With int4_group_size, the FFN projections become <name>.qweight and <name>.scales_and_zeros,
+    quantized from the checkpoint's own precision (not from the cast copy).
+    """
+    to_int4 = set(int4_modules(args, int4_group_size)) if int4_group_size else set()
+    with on_meta():
+        shapes = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
     state = {}
     for ours, theirs in hf_weight_map(args).items():
         missing = [n for n in theirs if n not in tensors]
         if missing:
             raise CheckpointError(f"checkpoint lacks tensor(s) {missing}")
         parts = [tensors[n] for n in theirs]
-        state[ours] = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)).to(dtype)
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        module = ours.removesuffix(".weight")
+        if module in to_int4:
+            _check_shape(ours, weight, shapes[ours])
+            state[module + ".qweight"], state[module + ".scales_and_zeros"] = quantize_int4(weight, int4_group_size)
+        else:
+            state[ours] = weight.to(dtype)
+        if progress is not None:
+            progress(ours)
     return state
+
+
+def _check_shape(name: str, tensor: torch.Tensor, shape: tuple) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(f"weight {name} has shape {tuple(tensor.shape)}, config.json implies {tuple(shape)}")
 
 
 def check_shapes(model: Transformer, state: dict) -> None:
@@ -27,17 +89,83 @@ def check_shapes(model: Transformer, state: dict) -> None:
     for name, shape in expected.items():
         if name not in state:
             raise CheckpointError(f"no weight for {name}")
-        if tuple(state[name].shape) != tuple(shape):
-            raise CheckpointError(
-                f"weight {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(shape)}")
+        _check_shape(name, state[name], shape)
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"unexpected weight(s) {unexpected[:4]}")
 
 
-def load_model(model_dir: str, device: torch.device, dtype: torch.dtype) -> tuple[Transformer, ModelArgs]:
-    """Read a Hugging Face checkpoint directory into an eval-mode Transformer."""
-    args = read_model_args(model_dir)
-    with torch.device("meta"):
+def load_model(model_dir: str, device: torch.device, dtype: torch.dtype, int4_ffn: bool = False,
+               int4_group_size: int = 128) -> tuple[Transformer, ModelArgs]:
+    """Read a checkpoint or engine directory into an eval-mode Transformer.
+
+    int4_ffn quantizes the FFN projections at load time unless the engine directory already
+    holds them in INT4 (then its own group size stands).
+    """
+    mapped = []  # INT4 tensors read from the engine file (mmap), packed into copies by instantiate
+    if is_engine_dir(model_dir):
+        args, state, group, stored = _engine_state(model_dir, dtype, int4_ffn, int4_group_size)
+        mapped = [state[f"{name}.qweight"] for name in stored]
+    else:
+        args = read_model_args(model_dir)
+        group = int4_group_size if int4_ffn else None
+        state = build_state_dict(args, load_tensors(model_dir), dtype, group)
+    model = instantiate(args, state, device, group)
+    if group is not None:
+        _release_memory(mapped)
+    return model, args
+
+
+def _release_memory(mapped: list[torch.Tensor]) -> None:
+    """After INT4 packing: return the packer's freed scratch to the OS (glibc keeps it otherwise), and
+    drop the resident pages of the on-disk INT4 tensors, which are packed copies now. Pages only:
+    the file stays mapped, and a later read would fault them back in unchanged."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to do
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    for t in mapped:
+        start, end = -(-t.data_ptr() // page) * page, (t.data_ptr() + t.nbytes) // page * page
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+    libc.malloc_trim(0)
+
+
+def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size: int):
+    manifest = read_manifest(model_dir)
+    state = load_weights(manifest)
+    stored = sorted(k.removesuffix(".qweight") for k in state if k.endswith(".qweight"))
+    if stored != sorted(manifest.quantized):
+        raise CheckpointError(f"{manifest.weights_path}: INT4 modules {stored[:3]}... differ from the "
+                              f"manifest's {list(manifest.quantized)[:3]}...")
+    if dtype != manifest.dtype:
+        log.info("engine %s was built in %s; casting its dense weights to %s", model_dir, manifest.dtype, dtype)
+        state = {k: v if k.endswith(INT4_SUFFIXES) else v.to(dtype) for k, v in state.items()}
+    group = manifest.group_size
+    if int4_ffn and group is None:
+        group = group_size
+        for name in int4_modules(manifest.args, group):
+            weight = state.pop(name + ".weight")
+            state[name + ".qweight"], state[name + ".scales_and_zeros"] = quantize_int4(weight, group)
+    elif group is not None and group != group_size:
+        log.info("engine %s is INT4 with group size %d (built in; int4_group_size %d ignored)",
+                 model_dir, group, group_size)
+    return manifest.args, state, group, stored
+
+
+def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: int | None) -> Transformer:
+    """Build the model on meta, swap in Int4Linear where state holds INT4, assign the tensors."""
+    int4_names = sorted(k.removesuffix(".qweight") for k in state if k.endswith(".qweight"))
+    with on_meta():
         model = Transformer(args)
-    state = build_state_dict(args, load_tensors(model_dir), dtype)
-    check_shapes(model, state)
-    model.load_state_dict(state, assign=True)
-    return model.to(device).eval().requires_grad_(False), args
+        int4 = swap_to_int4(model, int4_names, group_size) if int4_names else {}
+    dense = {k: v for k, v in state.items() if not k.endswith(INT4_SUFFIXES)}
+    check_shapes(model, dense)
+    model.load_state_dict(dense, assign=True)
+    for name, module in int4.items():
+        try:
+            module.load_quantized(state[name + ".qweight"].to(device), state[name + ".scales_and_zeros"].to(device))
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"INT4 weights of {name}: {exc}") from None
+    return model.to(device).eval().requires_grad_(False)
