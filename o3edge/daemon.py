@@ -1,0 +1,198 @@
+"""o3edged: the inference daemon, in the foreground, logging to stderr (journald under systemd).
+
+    o3edged [--config PATH] [--endpoint ipc:///path] [--model DIR] [--device cpu|cuda|cuda:N|auto]
+            [--log-level debug|info|warning|error]
+
+Settings come from the TOML file (default /etc/o3edge/o3edge.toml, if present), then O3EDGE_*
+variables, then these flags. With no model configured, the built-in default model is used.
+
+Exit status: 0 stopped cleanly (SIGTERM/SIGINT, after draining); 1 the engine or the I/O thread
+failed (a load error other than the model's, repeated step failures, a bug); 2 bad command line;
+73 the endpoint is taken by another o3edged or cannot be bound; 78 bad configuration or model.
+
+systemd (Type=notify): READY=1 once the socket is bound and the engine warmed up; WATCHDOG=1 from
+the engine loop (Hooks.on_loop); EXTEND_TIMEOUT_USEC and STATUS= before loading and before warming
+up (Hooks.on_phase); STATUS= every few seconds once ready; STOPPING=1 when the drain begins. SIGHUP
+re-reads the settings (RELOADING=1 ... READY=1) and applies the reloadable ones (log level, queue
+bounds, scheduler classes), logging by name those that need a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Callable
+
+from o3edge.config import O3Config
+from o3edge.engine.scheduler import ClassPolicy
+from o3edge.engine.sequence import Priority
+from o3edge.errors import CheckpointError, ConfigError, O3Error
+from o3edge.ipc.endpoint import EndpointInUse
+from o3edge.ipc.engine_loop import Hooks
+from o3edge.ipc.server import IPCServer
+from o3edge.model_path import resolve_model_path
+from o3edge.notify import Notifier
+from o3edge.settings import DEFAULT_CONFIG_PATH, Settings, load_settings
+
+log = logging.getLogger("o3edged")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENDPOINT, EXIT_CONFIG = 0, 1, 2, 73, 78
+STATUS_EVERY_S = 5.0
+PHASE_BUDGET_USEC = 120_000_000  # EXTEND_TIMEOUT_USEC per start-up phase (the unit's TimeoutStartSec)
+
+
+class Daemon:
+    """Runs an IPCServer until a signal asks it to stop; signal handlers only set flags."""
+
+    def __init__(self, settings: Settings, notifier: Notifier | None = None,
+                 reread: Callable[[], Settings] | None = None):
+        self.settings = settings
+        self.reread = reread  # builds fresh Settings from the same sources (SIGHUP)
+        self.notifier = notifier or Notifier()
+        self.stop_signal: int | None = None
+        self.reload_requested = False
+        hooks = Hooks(on_loop=self.notifier.watchdog, on_phase=self._on_phase)
+        self.server = IPCServer(settings.server, self._load_engine, hooks)
+
+    def _on_phase(self, phase: str) -> None:
+        """Engine thread: before loading and warming up, each phase gets its own start-up budget."""
+        if phase != "ready":
+            self.notifier.extend_timeout(PHASE_BUDGET_USEC)
+            self.notifier.status(phase.replace("_", " "))
+
+    def _load_engine(self):
+        """Runs on the engine thread, after the socket is bound: torch is imported here, not at start-up."""
+        from o3edge.engine.engine import LLMEngine
+
+        config: O3Config = self.settings.engine
+        engine = LLMEngine(config, resolve_model_path(config.model_path))
+        engine.scheduler.set_limits(*scheduler_limits(self.settings))
+        return engine
+
+    def apply_limits(self, settings: Settings) -> None:
+        """Apply reloadable limits (SIGHUP): server queue bounds and the scheduler's class policies."""
+        self.server.update_limits(settings.server)
+        self.server.loop.call(lambda engine: engine.scheduler.set_limits(*scheduler_limits(settings)))
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_stop_signal)
+        signal.signal(signal.SIGINT, self._on_stop_signal)
+        signal.signal(signal.SIGHUP, self._on_reload_signal)
+
+    def _on_stop_signal(self, signum, frame) -> None:
+        self.stop_signal = signum
+
+    def _on_reload_signal(self, signum, frame) -> None:
+        self.reload_requested = True
+
+    def run(self) -> int:
+        """Start, serve until stopped, drain; returns the exit status."""
+        try:
+            self.server.start()
+        except (EndpointInUse, O3Error, OSError) as exc:  # taken, unbindable, or no such directory
+            log.error("%s", exc)
+            return EXIT_ENDPOINT
+        status = self._serve()
+        self.notifier.stopping()
+        self.server.shutdown(self.settings.server.drain_timeout_s)
+        return status
+
+    def _serve(self) -> int:
+        is_ready, last_status = False, 0.0
+        while self.stop_signal is None:
+            if is_ready:
+                time.sleep(0.2)
+            else:
+                self.server.wait_ready(0.2)
+            state = self.server.state
+            if state == "failed":
+                bad_setup = isinstance(self.server.loop.error, (ConfigError, CheckpointError))
+                return EXIT_CONFIG if bad_setup else EXIT_FAILED
+            if state == "ready" and not is_ready:
+                is_ready = True
+                log.info("ready: %s", _describe(self.server))
+                self.notifier.ready(self.server.status_line())
+            if self.reload_requested:
+                self.reload_requested = False
+                self._reload()
+            if is_ready and time.monotonic() - last_status >= STATUS_EVERY_S:
+                last_status = time.monotonic()
+                self.notifier.status(self.server.status_line())
+        log.info("%s: draining (up to %.0f s)", signal.Signals(self.stop_signal).name,
+                 self.settings.server.drain_timeout_s)
+        return EXIT_OK
+
+
+    def _reload(self) -> None:
+        """SIGHUP: apply what can change while running; name what needs a restart."""
+        self.notifier.reloading()
+        try:
+            new = self.reread() if self.reread else self.settings
+        except ConfigError as exc:
+            log.error("reload failed, keeping the running settings: %s", exc)
+        else:
+            applied, need_restart = self.settings.reloadable_diff(new)
+            self.settings = self.settings.reloaded(new)
+            logging.getLogger().setLevel(self.settings.log.level.upper())
+            self.apply_limits(self.settings)
+            log.info("reloaded settings: applied %s%s", ", ".join(applied) or "nothing",
+                     f"; need a restart: {', '.join(need_restart)}" if need_restart else "")
+        self.notifier.ready(self.server.status_line())
+
+
+def scheduler_limits(settings: Settings) -> tuple[dict, int, int]:
+    """The engine scheduler's per-class policies and queue bounds, from [scheduler] and [server]."""
+    policy = {}
+    for priority in Priority:
+        limits = getattr(settings.scheduler, priority.name.lower())
+        policy[priority] = ClassPolicy(limits.max_wait_ms, limits.max_concurrent, limits.breaker_threshold)
+    return policy, settings.server.queue_max_requests, settings.server.queue_max_prompt_tokens
+
+
+def _describe(server: IPCServer) -> str:
+    info = server.loop.engine.info
+    return (f"{os.path.basename(os.path.normpath(info.model_dir))} on {info.device}/{info.dtype}, "
+            f"{info.num_kv_blocks} KV blocks, loaded in {info.load_seconds:.2f} s, on {server.settings.endpoint}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="o3edged", description="o3edge on-device LLM inference daemon")
+    ap.add_argument("--config", help=f"TOML settings file (default {DEFAULT_CONFIG_PATH} if it exists)")
+    ap.add_argument("--endpoint", help="ipc:///path/to/socket to listen on")
+    ap.add_argument("--model", help="model directory (HF checkpoint or o3edge engine); default: built-in tiny")
+    ap.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    ap.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"))
+    return ap.parse_args(argv)
+
+
+def configure_logging(level: str) -> None:
+    # journald stamps each line itself; a terminal wants the time
+    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    faulthandler.enable()  # the watchdog's SIGABRT then prints every thread's stack
+    configure_logging(args.log_level or "info")
+    overrides = {"server.endpoint": args.endpoint, "engine.model_path": args.model, "engine.device": args.device,
+                 "log.level": args.log_level}
+    try:
+        settings = load_settings(args.config, None, overrides)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    configure_logging(settings.log.level)
+    daemon = Daemon(settings, reread=lambda: load_settings(args.config, None, overrides))
+    daemon.install_signal_handlers()
+    return daemon.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""The ZeroMQ service: one ROUTER socket, an I/O thread that reads it, and the engine loop's thread.
+
+The I/O thread reads requests, validates them, answers health/stats/info/cancel itself and hands
+generate jobs to the engine loop over a queue. The engine loop sends its replies (tokens, done,
+errors) itself, once per step, under `lock`, which guards the socket and the routing table: a
+ZeroMQ socket may be used by several threads one at a time. The I/O thread never holds the lock
+while it waits: it sleeps in poll() on the socket's ZMQ_FD and a wake-up pipe, and whoever touches
+the socket last checks ZMQ_EVENTS, so no incoming message is left unnoticed (ZMQ_FD is
+edge-triggered). A client that vanishes (EHOSTUNREACH) or stops reading (EAGAIN once its
+high-water mark fills) has its jobs aborted, which frees their KV blocks.
+
+Lifecycle: start() binds (after taking the endpoint lock) and begins loading the engine in the
+background, so `health` answers `loading` at once and `ready` after the warm-up; drain() refuses
+new work with `unavailable`; shutdown() drains, waits for running jobs up to a timeout, and closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import itertools
+import logging
+import os
+import select
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+import zmq
+
+from o3edge.errors import O3Error
+from o3edge.ipc import protocol as P
+from o3edge.ipc import replies
+from o3edge.ipc.endpoint import EndpointLock, ipc_path, prepare_socket_dir, remove_socket, secure_socket
+from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
+from o3edge.ipc.routes import Routes
+from o3edge.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from o3edge.engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+SNDHWM = 256  # replies queued per client before it counts as not reading
+RCVHWM = 64
+LINGER_MS = 500
+HANDSHAKE_IVL_MS = 3000
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
+BAN_S = 60.0  # how long a peer that broke the framing rules is ignored
+POLL_MS = 100
+BATCH = 64  # messages read per turn of the I/O thread
+
+
+class IPCServer:
+    """Serves one LLMEngine over ZeroMQ; see the module docstring for the lifecycle."""
+
+    def __init__(self, settings: ServerSettings, load_engine: Callable[[], "LLMEngine"],
+                 hooks: Hooks | None = None, idle_wake_s: float = 1.0):
+        self.settings = settings
+        self.hooks = hooks or Hooks()
+        self.ctx = zmq.Context()
+        self.loop = EngineLoop(load_engine, self._deliver, self.hooks, idle_wake_s)
+        self.lock = threading.RLock()  # the ROUTER socket and self.routes
+        self.routes = Routes()
+        self.started_at = time.monotonic()
+        self.draining = False
+        self.io_failed = False
+        self.counts = {"requests_total": 0, "rejected": 0, "bad_messages": 0, "dropped_peers": 0}
+        self._socket_path = ipc_path(settings.endpoint)
+        self._lock_file = EndpointLock(self._socket_path)
+        self._router: zmq.Socket | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._ids = itertools.count(1)
+        self._stop_io = False
+        self._closed = False
+        self._io_thread = threading.Thread(target=self._io_run, name="o3edge-io", daemon=True)
+        self._engine_thread = threading.Thread(target=self.loop.run, name="o3edge-engine", daemon=True)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Lock and bind the endpoint(s), then start the I/O thread and the engine load."""
+        prepare_socket_dir(self._socket_path)
+        self._lock_file.acquire()
+        try:
+            self._router = self._bind()
+        except BaseException:
+            self._lock_file.release()
+            raise
+        self._io_thread.start()
+        self._engine_thread.start()
+        log.info("listening on %s%s", self.settings.endpoint,
+                 f" and {self.settings.tcp_endpoint}" if self.settings.tcp_endpoint else "")
+
+    def _bind(self) -> zmq.Socket:
+        r = self.ctx.socket(zmq.ROUTER)
+        for opt, value in ((zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, SNDHWM), (zmq.RCVHWM, RCVHWM),
+                           (zmq.LINGER, LINGER_MS), (zmq.MAXMSGSIZE, self.settings.max_message_bytes),
+                           (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS), (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
+                           (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)):
+            r.setsockopt(opt, value)
+        try:
+            r.bind(self.settings.endpoint)
+            secure_socket(self._socket_path, self.settings.socket_mode)
+            if self.settings.tcp_endpoint:
+                r.bind(self.settings.tcp_endpoint)
+        except (zmq.ZMQError, OSError) as exc:
+            r.close(linger=0)
+            raise O3Error(f"cannot listen on {self.settings.endpoint}: {exc}", "endpoint_unavailable") from None
+        return r
+
+    @property
+    def state(self) -> str:
+        """loading, ready, draining, failed or stopped."""
+        engine_state = self.loop.state
+        if self.io_failed:
+            return "failed"
+        if engine_state in ("failed", "stopped"):
+            return engine_state
+        return "draining" if self.draining else engine_state
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the engine is loaded and warmed (True) or failed / timed out (False)."""
+        self.loop.ready.wait(timeout)
+        return self.loop.state == "ready"
+
+    def drain(self) -> None:
+        """Refuse new generate requests with `unavailable`; running ones go on."""
+        if not self.draining:
+            log.info("draining: %d requests in flight", len(self.routes))
+        self.draining = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False if some remain after `timeout` seconds."""
+        end = time.monotonic() + timeout
+        while len(self.routes) and time.monotonic() < end and self._io_thread.is_alive():
+            time.sleep(0.05)
+        return not len(self.routes)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Graceful stop: drain, let running jobs finish up to `timeout` (default drain_timeout_s), close."""
+        self.drain()
+        limit = self.settings.drain_timeout_s if timeout is None else timeout
+        if self.loop.state == "ready" and not self.wait_idle(limit):
+            log.warning("drain timed out; aborting %d requests", len(self.routes))
+        self.close()
+
+    def close(self) -> None:
+        """Stop both threads, fail what is left with `unavailable`, remove the socket, release the lock."""
+        if self._closed:
+            return
+        self._closed = True
+        self.draining = True
+        self.loop.stop()
+        if self._engine_thread.is_alive() and self.loop.state != "loading":  # a load is not worth waiting for
+            self._engine_thread.join(timeout=10.0)
+        self._stop_io = True
+        self._wake_io()
+        if self._io_thread.is_alive():
+            self._io_thread.join(timeout=5.0)
+        if not self._engine_thread.is_alive() and not self._io_thread.is_alive():
+            self.ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        if self._lock_file.fd is not None:  # never remove a socket file another daemon owns
+            remove_socket(self._socket_path)
+            self._lock_file.release()
+        log.info("stopped")
+
+    def update_limits(self, settings: ServerSettings) -> None:
+        """Apply reloaded limits (queue_max_*, max_inflight_per_client); endpoints and socket options stay."""
+        kept = ("endpoint", "tcp_endpoint", "socket_mode", "max_message_bytes")
+        self.settings = dataclasses.replace(settings, **{k: getattr(self.settings, k) for k in kept})
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS= and logs."""
+        return replies.status_line(self)
+
+    # ---- the I/O thread ---------------------------------------------------------------------
+    def _io_run(self) -> None:
+        poller = select.poll()
+        poller.register(self._router.getsockopt(zmq.FD), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            while not self._stop_io:
+                with self.lock:
+                    batch, more = self._read_batch()
+                for message in batch:
+                    self._handle(*message)
+                if not batch and not more:
+                    self._sleep(poller)
+            with self.lock:
+                self._forward()
+                self._fail_remaining()
+        except Exception:  # a bug: report `failed` so the daemon exits and systemd restarts it
+            log.exception("I/O thread failed")
+            self.io_failed = True
+        finally:
+            with self.lock:
+                self._router.close()
+
+    def _read_batch(self) -> tuple[list, bool]:
+        """Up to BATCH whole messages (lock held), and whether more are waiting."""
+        batch = []
+        while len(batch) < BATCH and self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            identity, frames, count = self._router.recv(), [], 0
+            while self._router.getsockopt(zmq.RCVMORE):
+                frame = self._router.recv()
+                count += 1
+                if count <= P.MAX_FRAMES:
+                    frames.append(frame)
+            batch.append((identity, frames, count, time.monotonic()))
+        return batch, len(batch) == BATCH
+
+    def _sleep(self, poller: select.poll) -> None:
+        if any(fd == self._wake_r for fd, _ in poller.poll(POLL_MS)):
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+
+    def _wake_io(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # full (a wake is pending anyway) or already closed
+            pass
+
+    def _handle(self, identity: bytes, frames: list[bytes], count: int, now: float) -> None:
+        try:
+            self._dispatch(identity, frames, count, now)
+        except Exception:
+            log.exception("failed to handle a message")
+            self._reply(identity, P.error(None, P.INTERNAL, "internal error"))
+
+    def _dispatch(self, identity: bytes, frames: list[bytes], count: int, now: float) -> None:
+        if self.routes.is_banned(identity, now):
+            return
+        if count > P.MAX_FRAMES:
+            self.counts["bad_messages"] += 1
+            with self.lock:
+                self._drop_peer(identity, f"sent a message of {count} frames", ban_until=now + BAN_S)
+            return
+        if count != 1:
+            self.counts["bad_messages"] += 1
+            return self._reject(identity, None, P.BAD_MESSAGE, f"a request is exactly one frame, got {count}")
+        try:
+            req = P.parse(frames[0], self.settings.max_message_bytes)
+        except P.ProtocolError as exc:
+            self.counts["bad_messages"] += 1
+            return self._reject(identity, exc.request_id, exc.code, exc.message)
+        if isinstance(req, P.GenerateRequest):
+            self._generate(identity, req, now)
+        elif isinstance(req, P.CancelRequest):
+            self._cancel(identity, req)
+        else:
+            self._reply(identity, getattr(replies, req.op)(self, req.id))
+
+    def _generate(self, identity: bytes, req: P.GenerateRequest, now: float) -> None:
+        if self.state != "ready":
+            why = {"loading": "the engine is still loading; retry when health reports ready",
+                   "draining": "the daemon is shutting down"}.get(self.state, f"the engine is {self.state}")
+            return self._reject(identity, req.id, P.UNAVAILABLE, why)
+        engine = self.loop.engine
+        try:  # outside the lock: a long prompt must not hold up the engine's replies
+            ids = engine.encode(req.prompt, list(req.messages) if req.messages else None)
+        except O3Error as exc:
+            return self._reject(identity, req.id, exc.code, exc.message)
+        if len(ids) >= engine.info.max_model_len:
+            return self._reject(identity, req.id, P.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the "
+                                f"context window is {engine.info.max_model_len}")
+        with self.lock:
+            problem = self._admission_problem(identity, req)
+            if problem:
+                return self._reject(identity, req.id, *problem)
+            rid = f"r{next(self._ids)}"
+            self.routes.add(rid, identity, req.id)
+            deadline = now + req.deadline_ms / 1000 if req.deadline_ms is not None else None
+            self.loop.submit(Job(rid, identity, req, ids, now, deadline))  # before any abort of this peer
+        self.counts["requests_total"] += 1
+
+    def _admission_problem(self, identity: bytes, req: P.GenerateRequest) -> tuple[str, str] | None:
+        if self.routes.find(identity, req.id) is not None:
+            return P.INVALID_REQUEST, f"request id {req.id!r} is already in flight on this connection"
+        if self.routes.count(identity) >= self.settings.max_inflight_per_client:
+            return P.TOO_MANY_REQUESTS, (f"at most {self.settings.max_inflight_per_client} requests in flight "
+                                         "per client")
+        # The engine's scheduler bounds its waiting queue (and answers `busy` itself); this backstop
+        # also bounds what is on its way there, with room for a full running batch.
+        limit = self.settings.queue_max_requests + getattr(getattr(self.loop.engine, "config", None),
+                                                           "max_num_seqs", 0)
+        if len(self.routes) >= limit:
+            return P.BUSY, f"too many requests in flight ({limit}); retry later"
+        return None
+
+    def _cancel(self, identity: bytes, req: P.CancelRequest) -> None:
+        with self.lock:
+            rid = self.routes.find(identity, req.target)
+            if rid is not None:
+                self.loop.abort(rid, P.CANCELLED, "cancelled by the client")
+            self._reply(identity, P.reply("cancel", req.id, target=req.target, found=rid is not None))
+
+    # ---- sending (under the lock) -----------------------------------------------------------
+    def _deliver(self) -> None:
+        """Engine thread, once per step: send what the engine loop produced."""
+        with self.lock:
+            if self._router.closed:
+                self.loop.outbox.clear()
+                return
+            self._forward()
+            if self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # our sends may have eaten ZMQ_FD's edge
+                self._wake_io()
+
+    def _forward(self) -> None:
+        outbox = self.loop.outbox
+        while outbox:
+            kind, identity, rid, payload = outbox.popleft()
+            if rid not in self.routes.flights:  # its client was dropped meanwhile
+                continue
+            if kind == END:
+                self.routes.remove(rid)
+            self._send(identity, payload)
+
+    def _reject(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
+        self.counts["rejected"] += 1
+        log.debug("rejected %r from %s: %s %s", request_id, identity.hex(), code, message)
+        self._reply(identity, P.error(request_id, code, message))
+
+    def _reply(self, identity: bytes, message: dict) -> None:
+        payload = P.pack(message)
+        with self.lock:
+            self._send(identity, payload)
+
+    def _send(self, identity: bytes, payload: bytes) -> None:
+        try:
+            self._router.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.Again:
+            self._drop_peer(identity, "stopped reading (send queue full)")
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                log.warning("send to %s failed: %s", identity.hex(), exc)
+            self._drop_peer(identity, "disconnected")
+
+    def _drop_peer(self, identity: bytes, reason: str, ban_until: float | None = None) -> None:
+        """Abort a client's jobs (freeing their KV blocks) and forget it."""
+        rids = self.routes.drop(identity)
+        for rid in rids:
+            self.loop.abort(rid)
+        if ban_until is not None:
+            self.routes.ban(identity, ban_until)
+        if rids or ban_until is not None:
+            self.counts["dropped_peers"] += 1
+            log.info("dropped client %s: it %s; aborted %d requests", identity.hex(), reason, len(rids))
+
+    def _fail_remaining(self) -> None:
+        """At close: whatever is still in flight gets a final `unavailable`."""
+        for rid in list(self.routes.flights):
+            flight = self.routes.remove(rid)
+            self._send(flight.identity, P.pack(P.error(flight.client_id, P.UNAVAILABLE,
+                                                       "the daemon stopped before this request finished")))
