@@ -31,6 +31,9 @@ class O3Config:
     max_num_seqs: int = 32  # sequences in the running batch
     max_num_batched_tokens: int = 2048  # prefill tokens per engine step (the chunk budget)
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    batch_window_ms: int = 0  # with an idle engine, wait up to this long for min_batch_size requests
+    min_batch_size: int = 1
+    num_threads: int | None = None  # CPU threads for torch; None: torch's default (one per core)
     seed: int = 0
 
     def __post_init__(self):
@@ -45,6 +48,10 @@ class O3Config:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_block_size % 8:
             raise ConfigError(f"kv_block_size must be a multiple of 8, got {self.kv_block_size}")
+        if self.batch_window_ms < 0 or self.min_batch_size < 1:
+            raise ConfigError("batch_window_ms must be >= 0 and min_batch_size >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
 

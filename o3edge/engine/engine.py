@@ -92,6 +92,8 @@ class LLMEngine:
     def __init__(self, config: O3Config, model_dir: str):
         t0 = time.perf_counter()
         self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device, built_dtype(model_dir))
         model, args = load_model(model_dir, device, dtype, config.int4_ffn, config.int4_group_size)
@@ -105,6 +107,7 @@ class LLMEngine:
         fp = fingerprint(model_dir) + int4_tag(model)  # INT4 made at load changes the logits: not the same model
         self.blocks = BlockManager(num_blocks, config.kv_block_size, f"{fp}:{dtype}", config.dynamic_kv_cache)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler.set_window(config.batch_window_ms, config.min_batch_size)
         eos = args.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(self.tokenizer.eos_token)] if t is not None)
         self.info = RuntimeInfo(model_dir, str(device), str(dtype).removeprefix("torch."), args, fp, num_blocks,
                                 config.kv_block_size, num_blocks * block_bytes, max_len, eos,

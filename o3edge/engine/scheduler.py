@@ -6,7 +6,9 @@ priority class, then earliest deadline, then arrival, while budget, batch slots,
 KV blocks last. A long prompt is thus split into chunks and never stalls running decodes for more
 than one chunk. When blocks or slots run out, the least important, newest running sequence is
 preempted (its blocks freed, its tokens recomputed on resume) — to admit a more important waiting
-one, or to let a more important running one grow. Plain Python: no tensors; the clock is given.
+one, or to let a more important running one grow. An optional batching window lets an idle engine
+wait briefly for a fuller first batch (throughput over latency at light load). Plain Python: no
+tensors; the clock is given.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.expired: list[Sequence] = []  # finished by deadline since the engine last looked
         self.num_preemptions = 0
+        self.set_window(0, 1)
         self.set_limits(policy or DEFAULT_POLICY, max_queue_requests, max_queue_prompt_tokens)
 
     def set_limits(self, policy: dict, max_queue_requests: int, max_queue_prompt_tokens: int) -> None:
@@ -122,7 +125,21 @@ class Scheduler:
             seq.wait_timed_out = True
             self.breakers[seq.priority].record_timeout(now)
 
+    def set_window(self, window_ms: int, min_batch_size: int) -> None:
+        """The optional batching window: an idle engine waits up to window_ms to start min_batch_size."""
+        self.window_s, self.min_batch_size = window_ms / 1000, min_batch_size
+
+    def _holding(self, now: float) -> bool:
+        """Whether an idle engine should keep waiting for a fuller first batch (critical never waits)."""
+        if self.running or len(self.waiting) >= self.min_batch_size or self.window_s <= 0:
+            return False
+        if any(s.priority == Priority.CRITICAL for s in self.waiting):
+            return False
+        return now - min(s.enqueue_time for s in self.waiting) < self.window_s
+
     def _admit(self, now: float, batch: dict) -> None:
+        if self._holding(now):
+            return
         for seq in list(self.waiting):
             budget = self.token_budget - sum(batch.values())
             if budget <= 0:

@@ -167,3 +167,28 @@ def test_block_pressure_preempts_least_important():
     step(sched, sched.schedule())  # the 8th token fits; 9 tokens each after sampling
     step(sched, sched.schedule())  # both need a third block now: lo is preempted for hi
     assert lo.status.value == "waiting" and hi.status.value == "running" and len(hi.block_table) == 3
+
+
+def test_batching_window_holds_an_idle_engine_for_a_fuller_batch():
+    sched, clock = make()
+    sched.set_window(20, 3)
+    sched.add(seq("a"))
+    assert sched.schedule() == []  # idle, 1 of 3 waiting, within the 20 ms window
+    sched.add(seq("b"))
+    clock.t += 0.01
+    assert sched.schedule() == []
+    sched.add(seq("c"))
+    assert names(sched.schedule()) == ["a", "b", "c"]  # min_batch_size reached
+
+
+def test_batching_window_expires_and_never_delays_critical():
+    sched, clock = make()
+    sched.set_window(20, 4)
+    sched.add(seq("a"))
+    clock.t += 0.021
+    assert names(sched.schedule()) == ["a"]  # the window ran out
+    other, clock2 = make()
+    other.set_window(20, 4)
+    other.add(seq("n"))
+    other.add(seq("c", priority=C))
+    assert names(other.schedule()) == ["c", "n"]
