@@ -62,9 +62,9 @@ def prompts(vocab: int, batch: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(100, min(vocab, 30000), (batch, PROMPT_LEN), generator=g).tolist()
 
 
-def bench_o3(path, dtype, batches, energy):
+def bench_o3(path, dtype, batches, energy, int4=False):
     model = O3Model.from_config(O3Config(model_path=path, device="cuda", dtype=dtype, max_model_len=1024,
-                                         max_num_seqs=max(batches), kv_cache_memory_mb=4096))
+                                         max_num_seqs=max(batches), kv_cache_memory_mb=4096, int4_ffn=int4))
     e = model.engine
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     model.generate_batch(prompts(e.info.args.vocab_size, 2, seed=99), params)  # warm-up
@@ -134,6 +134,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--int4", action="store_true", help="also run o3edge with INT4 FFN weights")
     ap.add_argument("--model", help="existing checkpoint dir (default: make one with random weights)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -150,6 +151,10 @@ def main():
     results = {"shape": a.shape, "dtype": a.dtype, "gpu": torch.cuda.get_device_name(),
                "date": time.strftime("%Y-%m-%d"), "o3edge": bench_o3(path, a.dtype, batches, energy)}
     print("o3edge", json.dumps(results["o3edge"]), flush=True)
+    if a.int4:
+        torch.cuda.empty_cache()
+        results["o3edge INT4-FFN"] = bench_o3(path, a.dtype, batches, energy, int4=True)
+        print("o3edge INT4-FFN", json.dumps(results["o3edge INT4-FFN"]), flush=True)
     if not a.skip_hf:
         torch.cuda.empty_cache()
         results["transformers"] = bench_hf(path, a.dtype, batches, energy)
@@ -165,7 +170,7 @@ def table(r) -> str:
              "| system | TTFT 128 (ms) | " + " | ".join(f"{k} tok/s (step ms, tok/J)" for k in r["o3edge"]
                                                          if k != "ttft_ms") + " |",
              "|---|---|" + "---|" * (len(r["o3edge"]) - 1)]
-    for name in ("o3edge", "transformers"):
+    for name in ("o3edge", "o3edge INT4-FFN", "transformers"):
         if name not in r:
             continue
         row = r[name]
