@@ -62,7 +62,7 @@ class StepReport:
 
     t_start_ns: int
     t_end_ns: int
-    tokens: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (prefill, decode)
+    tokens: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (prompt, generated)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -70,7 +70,13 @@ class StepReport:
 
     @property
     def num_decode_tokens(self) -> int:
+        """Tokens generated in the step."""
         return sum(d for _, d in self.tokens.values())
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens run through the model: prompt chunks, plus one for each decoding sequence."""
+        return sum(p or d for p, d in self.tokens.values())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -191,7 +197,8 @@ class LLMEngine:
         now = time.monotonic()
         for (seq, n), token in zip(batch, tokens):
             is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
-            report.tokens[seq.request_id] = (0, 1) if is_decode else (n, 0)
+            # (prompt tokens processed, tokens generated): a chunk that ends the prompt yields one too
+            report.tokens[seq.request_id] = (0 if is_decode else n, 0 if token is None else 1)
             self.blocks.mark_computed(seq, n)
             if token is not None:
                 outputs.append(self._append(seq, token, now))
