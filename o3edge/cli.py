@@ -5,14 +5,19 @@
                       [--system "..."] [--stop S ...] [--raw] [--json]
     o3edge-cli health | stats | info [--json]
     common: [--endpoint ipc:///run/o3edge/o3edge.sock] [--timeout SECONDS] [--wait SECONDS]
+    o3edge-cli energy [--log PATH] [--by hour|priority] [--plot out.png] [--json]
 
 The endpoint defaults to $O3EDGE_ENDPOINT, then $O3EDGE_SERVER_ENDPOINT (the daemon's own
 variable), then ipc:///run/o3edge/o3edge.sock.
 
 `prompt` streams the answer to stdout as it is generated, then one summary line on stderr.
+`energy` reads the energy log (no daemon needed): generated tokens per joule per hour and priority
+class (or per hour, or per class, with --by), and with --plot a PNG of tokens/J over time. The log
+defaults to [power] energy_log in the settings (file, then O3EDGE_* variables), else
+/var/lib/o3edge/energy.jsonl.
 
 Exit status: 0 success (for `health`: the engine is ready); 1 the daemon refused or failed the
-request (the error code is printed), or `health` found it not ready; 2 bad command line;
+request (the error code is printed), `health` found it not ready, or `energy` found no log; 2 bad command line;
 3 no daemon is running at the endpoint, or it stopped answering; 4 permission denied on the
 socket; 130 interrupted (the request is cancelled).
 """
@@ -20,6 +25,7 @@ socket; 130 interrupted (the request is cancelled).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -103,7 +109,65 @@ def cmd_show(client: O3Client, args) -> int:
         width = max(map(len, flat), default=0)
         for key, value in flat.items():
             print(f"{key:<{width}}  {value}")
+        if isinstance(body.get("energy"), dict):
+            print(energy_line(body["energy"]))
     return EXIT_OK if args.command != "health" or reply["ready"] else EXIT_REQUEST
+
+
+def energy_line(energy: dict) -> str:
+    """The `stats` reply's energy figures in one line: tokens/J active and with idle, per window."""
+    def pair(figures: dict) -> str:
+        f = lambda x: "-" if x is None else f"{x:.4g}"  # noqa: E731
+        return f"{f(figures.get('active_tokens_per_joule'))} active / {f(figures.get('tokens_per_joule'))} with idle"
+    windows = [(k.removeprefix("last_"), v) for k, v in energy.items() if k.startswith("last_") and isinstance(v, dict)]
+    parts = [f"all time {pair(energy.get('all') or {})}"] + [f"last {k} {pair(v)}" for k, v in windows]
+    kind = "ESTIMATE" if energy.get("is_estimate") else "measured"
+    return (f"tokens/J: {'; '.join(parts)} — {energy.get('meter')} [{','.join(energy.get('domains') or [])}], "
+            f"{kind}")
+
+
+def cmd_energy(args) -> int:
+    """Summarise the energy log; optionally plot tokens/J over time. No daemon needed."""
+    from o3edge.energy_service import default_energy_log
+    from o3edge.power.energy_log import rotated_paths
+    from o3edge.power.summary import group_rows, plot_tokens_per_joule, read_log, summarise
+
+    path = args.log or str(default_energy_log())
+    if not any(p.exists() for p in rotated_paths(path, 5)):
+        print(f"o3edge-cli: no energy log at {path} (set [power] energy_log or pass --log)", file=sys.stderr)
+        return EXIT_REQUEST
+    try:
+        records = list(read_log(path))
+    except PermissionError as exc:
+        print(f"o3edge-cli: cannot read the energy log: {exc}", file=sys.stderr)
+        return EXIT_PERMISSION
+    rows = group_rows(summarise(records), args.by) if args.by else summarise(records)
+    if args.plot:
+        try:
+            plot_tokens_per_joule(records, args.plot)
+        except (ImportError, OSError) as exc:
+            print(f"o3edge-cli: no plot: {exc}", file=sys.stderr)
+            return EXIT_REQUEST
+        print(f"o3edge-cli: wrote {args.plot}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows]))
+    else:
+        _print_energy_rows(rows)
+    return EXIT_OK
+
+
+def _print_energy_rows(rows: list) -> None:
+    header = ("hour", "priority", "requests", "prompt", "generated", "joules", "tokens/J", "low-conf", "meter")
+    table = [header] + [(r.hour, r.priority, r.requests, r.prompt_tokens, r.completion_tokens, f"{r.joules:.3f}",
+                         "-" if r.tokens_per_joule is None else f"{r.tokens_per_joule:.3f}", r.low_confidence,
+                         r.meters) for r in rows]
+    widths = [max(len(str(line[i])) for line in table) for i in range(len(header))]
+    for line in table:
+        print("  ".join(str(v).ljust(w) if i in (0, 1, 8) else str(v).rjust(w)
+                        for i, (v, w) in enumerate(zip(line, widths))).rstrip())
+    generated, joules = sum(r.completion_tokens for r in rows), sum(r.joules for r in rows)
+    overall = f"{generated / joules:.3f} tokens/J" if joules > 0 else "no energy measured"
+    print(f"total: {sum(r.requests for r in rows)} requests, {generated} generated tokens, {joules:.3f} J, {overall}")
 
 
 def _flatten(table: dict, prefix: str = "") -> dict:
@@ -145,6 +209,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, text in (("health", "is the daemon live and ready?"), ("stats", "queue, batch, KV cache, speed"),
                        ("info", "model, device, limits, version")):
         sub.add_parser(name, parents=[common], help=text)
+    e = sub.add_parser("energy", help="summarise the energy log: tokens per joule per hour and priority class")
+    e.add_argument("--log", help="the JSON-lines energy log (default: [power] energy_log, else "
+                   "/var/lib/o3edge/energy.jsonl)")
+    e.add_argument("--by", choices=("hour", "priority"), help="one row per hour, or per priority class "
+                   "(default: per hour and class)")
+    e.add_argument("--plot", metavar="OUT.png", help="also draw tokens/J over time to this PNG (needs matplotlib)")
+    e.add_argument("--json", action="store_true", help="print JSON instead of text")
     return ap.parse_args(argv)
 
 
@@ -162,6 +233,8 @@ def connect(endpoint: str, args) -> O3Client:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command == "energy":
+        return cmd_energy(args)
     endpoint = args.endpoint or default_endpoint()
     try:
         with connect(endpoint, args) as client:

@@ -35,7 +35,8 @@ class EnergyLog:
         self.num_failed_writes = 0
 
     def log_request(self, energy: RequestEnergy, priority: str | int | None = None,
-                    prompt_tokens: int | None = None, completion_tokens: int | None = None) -> bool:
+                    prompt_tokens: int | None = None, completion_tokens: int | None = None,
+                    finish_reason: str | None = None) -> bool:
         """Write one request's line; token counts default to the accountant's. False if it was not written."""
         now = time.time()
         record = {
@@ -53,6 +54,8 @@ class EnergyLog:
             "is_estimate": energy.is_estimate,
             "low_confidence": energy.low_confidence,
         }
+        if finish_reason is not None:  # "stop", "length", or the error code the request ended with
+            record["finish_reason"] = finish_reason
         return self.write(record)
 
     def write(self, record: dict) -> bool:

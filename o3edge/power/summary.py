@@ -77,6 +77,24 @@ def summarise(records: Iterable[dict] | str | Path) -> list[SummaryRow]:
     ]
 
 
+def group_rows(rows: Iterable[SummaryRow], by: str) -> list[SummaryRow]:
+    """Rows merged per hour (priority "*") or per priority class (hour "*"), sorted."""
+    if by not in ("hour", "priority"):
+        raise ValueError(f"group by 'hour' or 'priority', got {by!r}")
+    groups: dict[str, list[SummaryRow]] = {}
+    for row in rows:
+        groups.setdefault(row.hour if by == "hour" else row.priority, []).append(row)
+    merged = []
+    for key, group in sorted(groups.items()):
+        completion, joules = sum(r.completion_tokens for r in group), sum(r.joules for r in group)
+        meters = " ".join(sorted({m for r in group for m in r.meters.split()}))
+        merged.append(SummaryRow(key if by == "hour" else "*", key if by == "priority" else "*",
+                                 sum(r.requests for r in group), sum(r.prompt_tokens for r in group), completion,
+                                 joules, completion / joules if joules > 0 else None,
+                                 sum(r.low_confidence for r in group), meters))
+    return merged
+
+
 def plot_tokens_per_joule(records: Iterable[dict] | str | Path, out_png: str | Path,
                           title: str = "o3edge tokens per joule") -> Path:
     """Draw each request's tokens/J over time and the hourly figure to a PNG (needs matplotlib)."""
