@@ -78,3 +78,21 @@ def test_training_script_lowers_the_loss_on_cpu(tmp_path):
     assert m["evals"][-1]["valid_loss"] < m["evals"][0]["valid_loss"]
     engine = O3Model.from_config(O3Config(model_path=str(out), device="cpu", dtype="float32")).engine
     assert engine.score(engine.encode("import json")).shape[1] == 512
+
+
+SHIPPED_ENGINE = os.path.join(os.path.dirname(SHIPPED_MODEL), "o3edge-ref-int4")
+
+
+def test_shipped_int4_engine_loads_and_stays_close_to_fp32(model):
+    """The shipped engine directory (bf16 + INT4 FFN, group 32) loads without re-quantization and
+    predicts the same next token as the FP32 checkpoint on >= 85% of a documentation page."""
+    with open(os.path.join(SHIPPED_ENGINE, "manifest.json")) as fh:
+        manifest = json.load(fh)
+    int4 = O3Model.from_config(O3Config(model_path=SHIPPED_ENGINE, device="cpu"))
+    assert int4.engine.info.dtype == "bfloat16"
+    ids = model.engine.encode(DOC_TEXT)
+    ref, got = model.engine.score(ids), int4.engine.score(ids)
+    agreement = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    assert agreement >= 0.85
+    assert manifest["precision_report"]  # `o3edge build --check` stored its report
+    assert int4.generate(PROMPT, max_new_tokens=8).text.strip()
