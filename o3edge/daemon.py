@@ -11,10 +11,14 @@ failed (a load error other than the model's, repeated step failures, a bug); 2 b
 73 the endpoint is taken by another o3edged or cannot be bound; 78 bad configuration or model.
 
 systemd (Type=notify): READY=1 once the socket is bound and the engine warmed up; WATCHDOG=1 from
-the engine loop (Hooks.on_loop); EXTEND_TIMEOUT_USEC and STATUS= before loading and before warming
-up (Hooks.on_phase); STATUS= every few seconds once ready; STOPPING=1 when the drain begins. SIGHUP
-re-reads the settings (RELOADING=1 ... READY=1) and applies the reloadable ones (log level, queue
-bounds, scheduler classes), logging by name those that need a restart.
+the engine loop (Hooks.on_loop), which then wakes at least twice per ping interval; EXTEND_TIMEOUT_USEC
+and STATUS= before loading and before warming up (Hooks.on_phase); STATUS= every few seconds once
+ready; STOPPING=1 when the drain begins. SIGHUP re-reads the settings (RELOADING=1 ... READY=1) and
+applies the reloadable ones (log level, queue bounds, scheduler classes), logging by name those that
+need a restart; a SIGHUP during start-up waits until the engine is ready.
+
+Test-only: O3EDGE_TEST_FAULT=stall_engine_after_s=S hangs the engine loop S seconds after it starts
+serving (see `with_test_fault`); it is read nowhere else and does nothing when unset.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -44,6 +49,8 @@ log = logging.getLogger("o3edged")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENDPOINT, EXIT_CONFIG = 0, 1, 2, 73, 78
 STATUS_EVERY_S = 5.0
 PHASE_BUDGET_USEC = 120_000_000  # EXTEND_TIMEOUT_USEC per start-up phase (the unit's TimeoutStartSec)
+MAX_IDLE_WAKE_S = 1.0  # the engine loop's longest idle wait, when no watchdog asks for less
+FAULT_ENV = "O3EDGE_TEST_FAULT"
 
 
 class Daemon:
@@ -56,8 +63,13 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self.stop_signal: int | None = None
         self.reload_requested = False
-        hooks = Hooks(on_loop=self.notifier.watchdog, on_phase=self._on_phase)
-        self.server = IPCServer(settings.server, self._load_engine, hooks)
+        on_loop = with_test_fault(self.notifier.watchdog, os.environ.get(FAULT_ENV))
+        hooks = Hooks(on_loop=on_loop, on_phase=self._on_phase)
+        # The loop pings only when it comes round: waking at least every half ping interval keeps
+        # consecutive pings 1/2 to 3/4 of WATCHDOG_USEC apart.
+        ping_s = self.notifier.watchdog_interval_s
+        idle_wake_s = min(MAX_IDLE_WAKE_S, ping_s / 2) if ping_s else MAX_IDLE_WAKE_S
+        self.server = IPCServer(settings.server, self._load_engine, hooks, idle_wake_s)
 
     def _on_phase(self, phase: str) -> None:
         """Engine thread: before loading and warming up, each phase gets its own start-up budget."""
@@ -98,8 +110,10 @@ class Daemon:
             log.error("%s", exc)
             return EXIT_ENDPOINT
         status = self._serve()
-        self.notifier.stopping()
-        self.server.shutdown(self.settings.server.drain_timeout_s)
+        drain_s = self.settings.server.drain_timeout_s
+        self.server.drain()  # refuse new work before STOPPING=1 says so
+        self.notifier.stopping(f"draining: {len(self.server.routes)} in flight, up to {drain_s:g} s")
+        self.server.shutdown(drain_s)
         return status
 
     def _serve(self) -> int:
@@ -114,10 +128,10 @@ class Daemon:
                 bad_setup = isinstance(self.server.loop.error, (ConfigError, CheckpointError))
                 return EXIT_CONFIG if bad_setup else EXIT_FAILED
             if state == "ready" and not is_ready:
-                is_ready = True
+                is_ready, last_status = True, time.monotonic()
                 log.info("ready: %s", _describe(self.server))
                 self.notifier.ready(self.server.status_line())
-            if self.reload_requested:
+            if self.reload_requested and is_ready:  # READY=1 ends a reload: not before the first one
                 self.reload_requested = False
                 self._reload()
             if is_ready and time.monotonic() - last_status >= STATUS_EVERY_S:
@@ -126,7 +140,6 @@ class Daemon:
         log.info("%s: draining (up to %.0f s)", signal.Signals(self.stop_signal).name,
                  self.settings.server.drain_timeout_s)
         return EXIT_OK
-
 
     def _reload(self) -> None:
         """SIGHUP: apply what can change while running; name what needs a restart."""
@@ -152,6 +165,36 @@ def scheduler_limits(settings: Settings) -> tuple[dict, int, int]:
         limits = getattr(settings.scheduler, priority.name.lower())
         policy[priority] = ClassPolicy(limits.max_wait_ms, limits.max_concurrent, limits.breaker_threshold)
     return policy, settings.server.queue_max_requests, settings.server.queue_max_prompt_tokens
+
+
+def with_test_fault(on_loop: Callable[[], None], spec: str | None) -> Callable[[], None]:
+    """Test-only fault (O3EDGE_TEST_FAULT): `stall_engine_after_s=S` hangs the engine loop S s into serving.
+
+    The hang waits on an Event with the GIL released, as a hung CUDA call does: every other thread
+    runs on, but the loop never comes round to send WATCHDOG=1 again. Unset, on_loop is returned as is.
+    """
+    if not spec:
+        return on_loop
+    name, _, value = spec.partition("=")
+    try:
+        after_s = float(value) if name.strip() == "stall_engine_after_s" else None
+    except ValueError:
+        after_s = None
+    if after_s is None:
+        log.warning("ignoring %s=%r: the only fault is stall_engine_after_s=<seconds>", FAULT_ENV, spec)
+        return on_loop
+    log.warning("TEST FAULT (%s): the engine loop will hang %g s after it starts serving", FAULT_ENV, after_s)
+    serving_since: list[float] = []  # when the loop first came round
+
+    def stalling_on_loop() -> None:
+        if not serving_since:
+            serving_since.append(time.monotonic())
+        if time.monotonic() - serving_since[0] >= after_s:
+            log.warning("TEST FAULT: the engine loop hangs now")
+            threading.Event().wait()
+        on_loop()
+
+    return stalling_on_loop
 
 
 def _describe(server: IPCServer) -> str:

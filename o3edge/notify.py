@@ -65,9 +65,9 @@ class Notifier:
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         self._send(f"RELOADING=1\nMONOTONIC_USEC={usec}")
 
-    def stopping(self) -> None:
+    def stopping(self, status: str | None = None) -> None:
         """STOPPING=1: a drain has begun."""
-        self._send("STOPPING=1")
+        self._send("STOPPING=1" + (f"\nSTATUS={_one_line(status)}" if status else ""))
 
     def extend_timeout(self, usec: int) -> None:
         """EXTEND_TIMEOUT_USEC: give the current start (or stop) phase `usec` more from now.

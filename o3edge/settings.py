@@ -74,7 +74,11 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class PowerSettings:
-    """Energy metering: which meter, how often, where the JSON-lines log goes ('' = no log)."""
+    """Energy metering: which meter, how often, where the JSON-lines log goes.
+
+    energy_log '' means energy.jsonl in the service's state directory ($STATE_DIRECTORY, set by the
+    systemd unit), and no log when there is none.
+    """
 
     meter: str = "auto"
     sample_interval_ms: int = 100

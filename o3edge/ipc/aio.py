@@ -90,6 +90,7 @@ class AsyncO3Client:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.disable_monitor()  # before its reader closes: see O3Client.close
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
 

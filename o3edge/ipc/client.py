@@ -198,6 +198,10 @@ class O3Client:
         return result
 
     def close(self) -> None:
+        # Stop the monitor before closing its reader: libzmq reports events with a blocking send
+        # from the context's I/O thread, so a disconnect reported to a closed reader (the daemon
+        # dying as we close) would hang that thread and every socket of Context.instance().
+        self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
 

@@ -39,6 +39,8 @@ class Hooks:
     """Callbacks run on the engine thread; an exception in one is logged, never fatal.
 
     on_loop(): every loop iteration, at least every idle_wake_s (send WATCHDOG=1 from here).
+    on_admit(request_id, priority): when a job reaches the engine loop, before the engine sees it
+        (so figures per priority class can name the class of every request, even one refused).
     on_step(report): after every engine step (energy accounting).
     on_finish(request_id, outcome) -> energy map or None: when a job ends; outcome is the
         finish reason ("stop", "length") or the error code. The map goes into `done.energy`.
@@ -48,6 +50,7 @@ class Hooks:
     """
 
     on_loop: Callable[[], None] | None = None
+    on_admit: Callable[[str, str], None] | None = None
     on_step: Callable[["StepReport"], None] | None = None
     on_finish: Callable[[str, str], dict | None] | None = None
     stats: Callable[[], dict] | None = None
@@ -100,8 +103,9 @@ class EngineLoop:
         """Abort a job; with a code its client gets that error as the job's last reply."""
         self.commands.put(("abort", rid, code, message))
 
-    def stop(self) -> None:
-        self.commands.put(("stop",))
+    def stop(self, reason: str = "the daemon stopped before this request finished") -> None:
+        """End the loop; jobs still running get `unavailable` with `reason`."""
+        self.commands.put(("stop", reason))
 
     def call(self, fn: Callable[["LLMEngine"], None]) -> None:
         """Run fn(engine) on the engine thread between steps (applying reloaded limits, for example)."""
@@ -173,11 +177,12 @@ class EngineLoop:
                 log.exception("engine call failed")
         elif cmd[0] == "stop":
             for rid in list(self._jobs):
-                self._abort(rid, P.UNAVAILABLE, "the daemon stopped before this request finished")
+                self._abort(rid, P.UNAVAILABLE, cmd[1])
             self.state = "stopped"
 
     def _add(self, job: Job) -> None:
         r = job.request
+        self._hook("on_admit", job.rid, r.priority)
         try:
             params = SamplingParams(max_new_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
                                     top_k=r.top_k, seed=r.seed, stop=r.stop, ignore_eos=r.ignore_eos)

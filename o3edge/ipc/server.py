@@ -74,6 +74,7 @@ class IPCServer:
         self._ids = itertools.count(1)
         self._stop_io = False
         self._closed = False
+        self._stop_reason = "the daemon stopped before this request finished"  # for jobs cut at close
         self._io_thread = threading.Thread(target=self._io_run, name="o3edge-io", daemon=True)
         self._engine_thread = threading.Thread(target=self.loop.run, name="o3edge-engine", daemon=True)
 
@@ -142,7 +143,9 @@ class IPCServer:
         self.drain()
         limit = self.settings.drain_timeout_s if timeout is None else timeout
         if self.loop.state == "ready" and not self.wait_idle(limit):
-            log.warning("drain timed out; aborting %d requests", len(self.routes))
+            log.warning("drain timed out after %g s; aborting %d requests", limit, len(self.routes))
+            self._stop_reason = (f"the daemon stopped: its drain timeout ({limit:g} s) ran out before "
+                                 "this request finished")
         self.close()
 
     def close(self) -> None:
@@ -151,7 +154,7 @@ class IPCServer:
             return
         self._closed = True
         self.draining = True
-        self.loop.stop()
+        self.loop.stop(self._stop_reason)
         if self._engine_thread.is_alive() and self.loop.state != "loading":  # a load is not worth waiting for
             self._engine_thread.join(timeout=10.0)
         self._stop_io = True
@@ -355,5 +358,4 @@ class IPCServer:
         """At close: whatever is still in flight gets a final `unavailable`."""
         for rid in list(self.routes.flights):
             flight = self.routes.remove(rid)
-            self._send(flight.identity, P.pack(P.error(flight.client_id, P.UNAVAILABLE,
-                                                       "the daemon stopped before this request finished")))
+            self._send(flight.identity, P.pack(P.error(flight.client_id, P.UNAVAILABLE, self._stop_reason)))

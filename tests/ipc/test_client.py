@@ -69,3 +69,21 @@ def test_absent_daemon_is_reported_before_any_request(tmp_path):
         O3Client(f"ipc://{tmp_path}/none.sock")
     with pytest.raises(DaemonUnavailable, match="not running"):
         AsyncO3Client(f"ipc://{tmp_path}/none.sock")
+
+
+def test_closing_a_client_as_the_daemon_dies_leaves_later_clients_working(tmp_path):
+    # Clients share zmq.Context.instance(). A disconnect that libzmq reported to an already closed
+    # monitor reader once blocked the context's I/O thread for good: every later client hung.
+    for round_ in range(3):
+        endpoint = f"ipc://{tmp_path}/stub{round_}.sock"
+        proc = subprocess.Popen([sys.executable, "-c", STUB, endpoint], cwd=REPO, env=clean_env(),
+                                stdout=subprocess.PIPE)
+        try:
+            assert proc.stdout.readline() == b"bound\n"
+            with O3Client(endpoint, timeout=5) as c:
+                assert isinstance(next(iter(c.stream("x"))), TokenEvent)  # DaemonUnavailable if wedged
+                proc.kill()
+                proc.wait()
+        finally:
+            proc.kill()
+            proc.wait()

@@ -80,9 +80,9 @@ def test_reloading_carries_monotonic_usec(listener):
 
 def test_stopping_and_extend_timeout(listener):
     address, sock = listener
-    messages, _ = run_child("n = Notifier(); n.extend_timeout(5_000_000); n.stopping()",
+    messages, _ = run_child("n = Notifier(); n.extend_timeout(5_000_000); n.stopping(); n.stopping('draining 2')",
                             sock, NOTIFY_SOCKET=address)
-    assert messages == ["EXTEND_TIMEOUT_USEC=5000000", "STOPPING=1"]
+    assert messages == ["EXTEND_TIMEOUT_USEC=5000000", "STOPPING=1", "STOPPING=1\nSTATUS=draining 2"]
 
 
 def test_status_cannot_inject_assignments_and_is_utf8(listener):
