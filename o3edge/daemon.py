@@ -34,6 +34,7 @@ import time
 from typing import Callable
 
 from o3edge.config import O3Config
+from o3edge.energy_service import EnergyService, state_directory
 from o3edge.engine.scheduler import ClassPolicy
 from o3edge.engine.sequence import Priority
 from o3edge.errors import CheckpointError, ConfigError, O3Error
@@ -64,12 +65,14 @@ class Daemon:
         self.stop_signal: int | None = None
         self.reload_requested = False
         on_loop = with_test_fault(self.notifier.watchdog, os.environ.get(FAULT_ENV))
-        hooks = Hooks(on_loop=on_loop, on_phase=self._on_phase)
+        self.energy = EnergyService(settings.power, settings.metrics, state_dir=state_directory())
+        hooks = Hooks(on_loop=on_loop, on_phase=self._on_phase, **self.energy.hooks())
         # The loop pings only when it comes round: waking at least every half ping interval keeps
         # consecutive pings 1/2 to 3/4 of WATCHDOG_USEC apart.
         ping_s = self.notifier.watchdog_interval_s
         idle_wake_s = min(MAX_IDLE_WAKE_S, ping_s / 2) if ping_s else MAX_IDLE_WAKE_S
         self.server = IPCServer(settings.server, self._load_engine, hooks, idle_wake_s)
+        self.energy.attach(self.server)
 
     def _on_phase(self, phase: str) -> None:
         """Engine thread: before loading and warming up, each phase gets its own start-up budget."""
@@ -108,12 +111,15 @@ class Daemon:
             self.server.start()
         except (EndpointInUse, O3Error, OSError) as exc:  # taken, unbindable, or no such directory
             log.error("%s", exc)
+            self.energy.close()
             return EXIT_ENDPOINT
+        self.energy.start()
         status = self._serve()
         drain_s = self.settings.server.drain_timeout_s
         self.server.drain()  # refuse new work before STOPPING=1 says so
         self.notifier.stopping(f"draining: {len(self.server.routes)} in flight, up to {drain_s:g} s")
         self.server.shutdown(drain_s)
+        self.energy.close()
         return status
 
     def _serve(self) -> int:
@@ -153,6 +159,7 @@ class Daemon:
             self.settings = self.settings.reloaded(new)
             logging.getLogger().setLevel(self.settings.log.level.upper())
             self.apply_limits(self.settings)
+            self.energy.reload(self.settings.power)
             log.info("reloaded settings: applied %s%s", ", ".join(applied) or "nothing",
                      f"; need a restart: {', '.join(need_restart)}" if need_restart else "")
         self.notifier.ready(self.server.status_line())
