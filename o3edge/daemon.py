@@ -170,7 +170,8 @@ def scheduler_limits(settings: Settings) -> tuple[dict, int, int]:
     policy = {}
     for priority in Priority:
         limits = getattr(settings.scheduler, priority.name.lower())
-        policy[priority] = ClassPolicy(limits.max_wait_ms, limits.max_concurrent, limits.breaker_threshold)
+        policy[priority] = ClassPolicy(limits.max_wait_ms, limits.max_concurrent, limits.breaker_threshold,
+                                       limits.breaker_cooldown_ms)
     return policy, settings.server.queue_max_requests, settings.server.queue_max_prompt_tokens
 
 

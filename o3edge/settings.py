@@ -124,8 +124,11 @@ class ClassLimits:
     max_wait_ms: int
     max_concurrent: int
     breaker_threshold: int
+    breaker_cooldown_ms: int = 5000  # how long an open breaker stays open before it half-opens
 
     def __post_init__(self):
+        if self.breaker_cooldown_ms < 0:
+            raise ConfigError(f"breaker_cooldown_ms must be >= 0, got {self.breaker_cooldown_ms}")
         if self.max_wait_ms < 0:
             raise ConfigError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         _check_positive(self, "", ("max_concurrent", "breaker_threshold"))
