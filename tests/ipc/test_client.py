@@ -71,19 +71,42 @@ def test_absent_daemon_is_reported_before_any_request(tmp_path):
         AsyncO3Client(f"ipc://{tmp_path}/none.sock")
 
 
-def test_closing_a_client_as_the_daemon_dies_leaves_later_clients_working(tmp_path):
-    # Clients share zmq.Context.instance(). A disconnect that libzmq reported to an already closed
-    # monitor reader once blocked the context's I/O thread for good: every later client hung.
-    for round_ in range(3):
-        endpoint = f"ipc://{tmp_path}/stub{round_}.sock"
-        proc = subprocess.Popen([sys.executable, "-c", STUB, endpoint], cwd=REPO, env=clean_env(),
-                                stdout=subprocess.PIPE)
-        try:
-            assert proc.stdout.readline() == b"bound\n"
-            with O3Client(endpoint, timeout=5) as c:
-                assert isinstance(next(iter(c.stream("x"))), TokenEvent)  # DaemonUnavailable if wedged
-                proc.kill()
-                proc.wait()
-        finally:
-            proc.kill()
-            proc.wait()
+# Run in its own process: if the bug is back, that process's zmq context is the one that hangs.
+CLOSE_AS_IT_DIES = """
+import subprocess, sys, time
+from o3edge.ipc.client import O3Client, TokenEvent
+STUB, directory = sys.argv[1], sys.argv[2]
+
+
+def stub(name):
+    proc = subprocess.Popen([sys.executable, "-c", STUB, f"ipc://{directory}/{name}"], stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"bound\\n"
+    return proc
+
+
+class DiesWhenClosed:  # the client's monitor socket, and the daemon dying just after it is closed
+    def __init__(self, monitor, proc):
+        self.monitor, self.proc = monitor, proc
+
+    def close(self, linger=None):
+        self.monitor.close(linger=linger)
+        self.proc.kill()
+        self.proc.wait()
+        time.sleep(0.3)  # the I/O thread reports the disconnect before the client's socket closes
+
+
+for name in ("a.sock", "b.sock"):
+    proc = stub(name)
+    with O3Client(f"ipc://{directory}/{name}", timeout=5) as c:
+        assert isinstance(next(iter(c.stream("x"))), TokenEvent)  # DaemonUnavailable if the context hangs
+        c._monitor = DiesWhenClosed(c._monitor, proc)
+print("ok")
+"""
+
+
+def test_a_client_closed_as_the_daemon_dies_leaves_the_next_client_working(tmp_path):
+    # Clients share zmq.Context.instance(), and libzmq reports monitor events with a blocking send
+    # from its I/O thread: a disconnect reported after the monitor's reader closed hung that thread.
+    result = subprocess.run([sys.executable, "-c", CLOSE_AS_IT_DIES, STUB, str(tmp_path)], cwd=REPO,
+                            env=clean_env(), capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr[-2000:]
