@@ -15,14 +15,13 @@ import asyncio
 import itertools
 from typing import AsyncIterator
 
-import msgpack
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from o3edge.ipc import protocol as P
 from o3edge.ipc.client import Completion, DaemonUnavailable, TokenEvent, check_endpoint, completion, \
-    default_endpoint, final_error, generate_fields
+    default_endpoint, final_error, generate_fields, reply_and_box
 
 
 class AsyncO3Client:
@@ -147,10 +146,6 @@ class AsyncO3Client:
                         box.put_nowait(gone)
 
     def _file(self, frame: bytes) -> None:
-        try:
-            msg = msgpack.unpackb(frame, raw=False)
-        except Exception:
-            return
-        box = self._inbox.get(msg.get("id")) if isinstance(msg, dict) else None
+        msg, box = reply_and_box(frame, self._inbox)
         if box is not None:  # replies to abandoned requests are dropped
             box.put_nowait(msg)

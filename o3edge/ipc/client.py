@@ -255,13 +255,18 @@ class O3Client:
         return True
 
     def _file(self, frame: bytes) -> None:
-        try:
-            msg = msgpack.unpackb(frame, raw=False)
-        except Exception:
-            return
-        box = self._inbox.get(msg.get("id")) if isinstance(msg, dict) else None
+        msg, box = reply_and_box(frame, self._inbox)
         if box is not None:  # replies to abandoned requests are dropped
             box.append(msg)
+
+
+def reply_and_box(frame: bytes, inbox: dict):
+    """Decode a reply frame and find the inbox of the request it answers (None: drop it)."""
+    try:
+        msg = msgpack.unpackb(frame, raw=False)
+    except Exception:
+        return None, None
+    return msg, (inbox.get(msg.get("id")) if isinstance(msg, dict) else None)
 
 
 class Stream:
