@@ -223,10 +223,12 @@ class LLMEngine:
                              seq.num_output_tokens, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time)
 
     def _expired(self, seq: Sequence) -> RequestOutput:
-        """The last output of a request whose deadline passed (queued: never run; running: cut)."""
+        """The last output of a request the scheduler ended: its deadline passed (queued: never run;
+        running: cut), or a more important request displaced it from a full queue ("busy")."""
+        reason = seq.finish_reason
         text = self.detok[seq.request_id].flush()
-        self.abort(seq.request_id, "deadline_exceeded")
-        return RequestOutput(seq.request_id, [], text, True, "deadline_exceeded", seq.num_prompt_tokens,
+        self.abort(seq.request_id, reason)
+        return RequestOutput(seq.request_id, [], text, True, reason, seq.num_prompt_tokens,
                              seq.num_output_tokens, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time)
 
     def stats(self) -> dict:

@@ -57,7 +57,7 @@ class Scheduler:
         self.clock = clock
         self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []
-        self.expired: list[Sequence] = []  # finished by deadline since the engine last looked
+        self.expired: list[Sequence] = []  # ended here (deadline, displaced) since the engine last looked
         self.num_preemptions = 0
         self.set_window(0, 1)
         self.set_limits(policy or DEFAULT_POLICY, max_queue_requests, max_queue_prompt_tokens)
@@ -74,11 +74,16 @@ class Scheduler:
 
     # ---- admission to the queue ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue seq, or raise Busy: queue full, or its class (and every lower one) shedding load."""
-        if len(self.waiting) >= self.max_queue_requests:
-            raise Busy(f"the queue is full ({self.max_queue_requests} requests waiting)")
-        if sum(len(s) for s in self.waiting) + len(seq) > self.max_queue_prompt_tokens:
-            raise Busy(f"the queue is full ({self.max_queue_prompt_tokens} prompt tokens waiting)")
+        """Queue seq, or raise Busy: queue full of requests at least as important, or its class (and
+        every lower one) shedding load. A full queue drops its least important waiting request
+        (finish reason "busy") to take a more important one."""
+        while self._queue_full(seq):
+            victim = max((s for s in self.waiting if not s.was_admitted), key=_key, default=None)
+            if victim is None or victim.priority <= seq.priority:
+                raise Busy(f"the queue is full ({self.max_queue_requests} requests or "
+                           f"{self.max_queue_prompt_tokens} prompt tokens waiting)")
+            self.finish(victim, "busy")  # a more important request takes its place
+            self.expired.append(victim)
         now, cls = self.clock(), seq.priority
         while self.breakers[cls].current(now) == OPEN:
             if cls == Priority.LOW:
@@ -87,6 +92,10 @@ class Scheduler:
         if cls != seq.priority:
             seq.requested_priority, seq.priority = seq.priority, cls
         self._enqueue(seq, now)
+
+    def _queue_full(self, seq: Sequence) -> bool:
+        return (len(self.waiting) >= self.max_queue_requests
+                or sum(len(s) for s in self.waiting) + len(seq) > self.max_queue_prompt_tokens)
 
     def _enqueue(self, seq: Sequence, now: float) -> None:
         seq.status, seq.enqueue_time = SequenceStatus.WAITING, now

@@ -245,6 +245,10 @@ class EngineLoop:
         r = job.request
         if out.finish_reason == "deadline_exceeded":  # the scheduler cut it (queued or running)
             return self._expired(job, out)
+        if out.finish_reason == P.BUSY:  # displaced from a full queue, never ran
+            del self._jobs[job.rid]
+            return self._end(job, P.error(r.id, P.BUSY, "the queue is full: a more important request took "
+                                                        "this one's place"), P.BUSY)
         if job.first_token is None:
             job.first_token = now
         if r.stream:

@@ -217,3 +217,19 @@ def test_static_shape_decode_path_matches_eager(tiny_dir):
     graphs = static.engine.runner.graphs
     assert graphs.len_buckets == [256, 304] and graphs.batch_buckets == [1, 2, 4, 8]
     assert graphs.num_steps == 29  # every decode step of the 5-sequence batch (padded to 8) took it
+
+
+def test_displaced_request_ends_with_busy_and_frees_nothing_it_never_held(tiny_dir):
+    from o3edge.engine.scheduler import DEFAULT_POLICY
+    from o3edge.engine.sequence import Priority
+
+    e = load(tiny_dir, max_num_seqs=1).engine
+    e.scheduler.set_limits(DEFAULT_POLICY, 1, 1 << 20)
+    e.add_request("running", e.encode("a = 1"), GREEDY)
+    e.step()  # admitted; the queue is empty again
+    e.add_request("low", e.encode("b = 2"), GREEDY, priority=Priority.LOW)
+    e.add_request("crit", e.encode("c = 3"), GREEDY, priority=Priority.CRITICAL)
+    outputs, _ = e.step()
+    low = [o for o in outputs if o.request_id == "low"]
+    assert len(low) == 1 and low[0].finish_reason == "busy" and low[0].finished and not low[0].token_ids
+    assert "low" not in e.seqs and "crit" in e.seqs

@@ -192,3 +192,16 @@ def test_batching_window_expires_and_never_delays_critical():
     other.add(seq("n"))
     other.add(seq("c", priority=C))
     assert names(other.schedule()) == ["c", "n"]
+
+
+def test_full_queue_displaces_the_least_important_waiting_request():
+    sched, _ = make(max_queue_requests=2)
+    low, normal = seq("low", priority=L), seq("normal", priority=N)
+    sched.add(low)
+    sched.add(normal)
+    crit = seq("crit", priority=C)
+    sched.add(crit)  # takes the low request's place
+    assert low.finish_reason == "busy" and sched.expired == [low]
+    assert [s.request_id for s in sched.waiting] == ["crit", "normal"]
+    with pytest.raises(Busy, match="queue is full"):
+        sched.add(seq("n2", priority=N))  # nothing less important than normal is waiting
