@@ -18,6 +18,21 @@ from o3edge.engine.model import StepBatch
 log = logging.getLogger(__name__)
 
 
+def block_tables(seqs, num_rows: int, num_blocks: int) -> torch.Tensor:
+    """[num_rows, num_blocks] block ids of each sequence's first blocks (padding rows and tails: 0)."""
+    tables = torch.zeros(num_rows, num_blocks, dtype=torch.long)
+    for b, seq in enumerate(seqs):
+        row = seq.block_table[:num_blocks]
+        tables[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return tables
+
+
+def key_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[rows, blocks] block ids -> [rows, blocks * block_size] cache slot of every key position."""
+    rows, blocks = tables.shape
+    return (tables[:, :, None] * block_size + torch.arange(block_size)).view(rows, blocks * block_size)
+
+
 def buckets(limit: int, start: int) -> list[int]:
     """start, 2*start, ... up to and including limit."""
     out, b = [], start
@@ -86,11 +101,7 @@ class DecodeGraphs:
         S = next(s for s in self.len_buckets if s >= max(ctx))
         ids = torch.tensor([s.token_ids[c - 1] for (s, _), c in zip(batch, ctx)])
         pos = torch.tensor(ctx) - 1
-        tables = torch.zeros(B, S // bs, dtype=torch.long)
-        for b, (s, _) in enumerate(batch):
-            row = s.block_table[:S // bs]
-            tables[b, :len(row)] = torch.tensor(row)
-        slots = (tables[:, :, None] * bs + torch.arange(bs)).view(B, S)
+        slots = key_slots(block_tables([s for s, _ in batch], B, S // bs), bs)
         key_pos = torch.arange(S)
         lens = torch.zeros(B, dtype=torch.long)
         lens[:n] = torch.tensor(ctx)

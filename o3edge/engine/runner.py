@@ -7,7 +7,7 @@ import logging
 import torch
 
 from o3edge.engine.checkpoint import ModelArgs
-from o3edge.engine.cuda_graph import DecodeGraphs
+from o3edge.engine.cuda_graph import DecodeGraphs, block_tables, key_slots
 from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.rope import rope_tables
 from o3edge.engine.sampling import make_generator, sample
@@ -92,14 +92,11 @@ class ModelRunner:
             pos += range(start, start + n)
             q_dest += range(b * Q, b * Q + n)
         max_blocks = max(-(-(s + n) // bs) for s, n in zip(starts, counts))
-        tables = torch.zeros(B, max_blocks, dtype=torch.long)
-        for b, (seq, _) in enumerate(batch):
-            row = seq.block_table[:max_blocks]
-            tables[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        tables = block_tables([seq for seq, _ in batch], B, max_blocks)
         positions = torch.tensor(pos, dtype=torch.long)
         flat_tables = tables.view(-1)
         slot_mapping = flat_tables[(positions // bs) + _row_offsets(counts, max_blocks)] * bs + positions % bs
-        kv_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(B, max_blocks * bs)
+        kv_slots = key_slots(tables, bs)
         key_pos = torch.arange(max_blocks * bs)
         q_pos = torch.tensor(starts)[:, None] + torch.arange(Q)  # [B, Q]
         ctx = torch.tensor([s + n for s, n in zip(starts, counts)])
