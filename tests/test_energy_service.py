@@ -2,7 +2,6 @@
 
 import json
 import socket
-import time
 import urllib.request
 
 import pytest
@@ -12,17 +11,9 @@ from o3edge.ipc.client import O3Client
 from o3edge.ipc.engine_loop import Hooks
 from o3edge.ipc.server import IPCServer
 from o3edge.settings import MetricsSettings, PowerSettings, ServerSettings
+from tests.helpers import wait_for
 
 PROMPT = "def main():\n    "
-
-
-def wait_for(predicate, timeout=5.0, interval=0.02):
-    end = time.monotonic() + timeout
-    value = predicate()
-    while not value and time.monotonic() < end:
-        time.sleep(interval)
-        value = predicate()
-    return value
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ import pytest
 
 from o3edge.engine.engine import RequestOutput, StepReport
 from o3edge.ipc.client import DaemonUnavailable, O3Client
+from tests.helpers import wait_for  # noqa: F401 (re-exported to the tests here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_KV_BLOCKS = 256
@@ -86,16 +87,6 @@ def daemon(tmp_path_factory, tiny_dir):
 def client(daemon):
     with O3Client(daemon.endpoint, timeout=20.0) as c:
         yield c
-
-
-def wait_for(predicate, timeout=5.0, interval=0.02):
-    """Poll until predicate() is truthy; returns its last value."""
-    end = time.monotonic() + timeout
-    value = predicate()
-    while not value and time.monotonic() < end:
-        time.sleep(interval)
-        value = predicate()
-    return value
 
 
 class FakeEngine:
