@@ -1,10 +1,16 @@
 #!/usr/bin/env python3
-"""GPU benchmark: o3edge against Hugging Face transformers in the same run, same checkpoint.
+"""GPU benchmark: o3edge beside llama.cpp and transformers, same checkpoint, same run.
 
-Measures time to first token for a 128-token prompt and decode tokens/s at batch 1, 8 and 32
-(128 new greedy tokens), with NVML board energy (tokens per joule) when pynvml is present.
+Every figure is a whole generation timed from outside the engine: B distinct random 128-token
+prompts (a new set for every generation, so prefix reuse never helps), 128 new greedy tokens each.
+  decode tok/s = B * 127 / (end of generation - the moment the last first token arrived)
+  TTFT         = one 128-token prompt alone, request in to first token out
+  tokens/J     = generated tokens / NVML board energy over repeated whole generations (>= 3 s)
+llama.cpp figures are parsed from the logs of `.peer/run.sh` (tools/bench_gpu_vs_llamacpp.sh runs it
+in the same device call); transformers runs in this process.
 
-  python tools/bench_gpu.py --shape llama-1b [--dtype bfloat16] [--skip-hf] [--json OUT]
+  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--model DIR]
+         [--llamacpp BENCH_LOG,ENERGY_LOG] [--skip-hf] [--json OUT] [--plot OUT.png]
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -26,75 +33,70 @@ from o3edge.engine.sequence import SamplingParams  # noqa: E402
 from tools.make_tiny_model import SHAPES  # noqa: E402
 
 PROMPT_LEN, NEW = 128, 128
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak; the floor is weight bytes / this
 
 
 class Energy:
-    """NVML board energy counter (mJ); None when unavailable."""
+    """NVML board energy counter (J); read is None when unavailable."""
 
     def __init__(self):
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            self.h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-            self.read = lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(self.h) / 1000.0
+            h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            self.read = lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0
             self.read()
         except Exception:
             self.read = None
 
-    def joules(self, fn, min_seconds: float = 3.0):
-        """Repeat fn for at least min_seconds; return (calls, joules, seconds).
 
-        The counter advances in ~100 ms steps, so a window of 3 s keeps its edge error near 3%.
-        """
-        torch.cuda.synchronize()
-        e0, t0, calls = (self.read() if self.read else None), time.perf_counter(), 0
-        while calls == 0 or time.perf_counter() - t0 < min_seconds:
-            fn()
-            calls += 1
-        torch.cuda.synchronize()
-        secs = time.perf_counter() - t0
-        return calls, (self.read() - e0 if e0 is not None else None), secs
+class Prompts:
+    """A fresh set of distinct random prompts for every call."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.seed = vocab, 1000
+
+    def __call__(self, n: int) -> list[list[int]]:
+        self.seed += 1
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.randint(100, min(self.vocab, 30000), (n, PROMPT_LEN), generator=g).tolist()
 
 
-def prompts(vocab: int, batch: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, min(vocab, 30000), (batch, PROMPT_LEN), generator=g).tolist()
-
-
-def bench_o3(path, dtype, batches, energy, int4=False):
-    model = O3Model.from_config(O3Config(model_path=path, device="cuda", dtype=dtype, max_model_len=1024,
-                                         max_num_seqs=max(batches), kv_cache_memory_mb=4096, int4_ffn=int4))
-    e = model.engine
+def generation(model: O3Model, prompts: list[list[int]]) -> dict:
+    """One whole generation, timed from outside: wall time, and decode rate after the last first token."""
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    model.generate_batch(prompts(e.info.args.vocab_size, 2, seed=99), params)  # warm-up
-    ttfts = []
-    for i in range(5):
-        ids = prompts(e.info.args.vocab_size, 1, seed=10 + i)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        e.add_request(f"ttft{i}", ids[0], SamplingParams(max_new_tokens=1))
-        while e.has_unfinished_requests():
-            e.step()
-        ttfts.append(time.perf_counter() - t0)
-    rows = {"ttft_ms": statistics.median(ttfts) * 1e3}
-    for B in batches:
-        ps = prompts(e.info.args.vocab_size, B, seed=B)
-        steps = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = model.generate_batch(prompts, params)
+    wall = time.perf_counter() - t0
+    last_first = max(r.ttft_s for r in results)
+    B = len(prompts)
+    assert all(len(r.token_ids) == NEW for r in results)
+    return dict(wall_s=wall, decode_tok_s=B * (NEW - 1) / (wall - last_first), e2e_tok_s=B * NEW / wall)
 
-        def generate():
-            """Prefill (untimed for tok/s) then decode; energy covers both."""
-            for i, p in enumerate(ps):
-                e.add_request(f"b{B}-{len(steps)}-{i}", p, params)
-            e.step()
-            while e.has_unfinished_requests():
-                t = time.perf_counter()
-                e.step()
-                steps.append(time.perf_counter() - t)
-        calls, joules, _ = energy.joules(generate)
-        step_s = statistics.median(steps)
-        rows[f"b{B}"] = dict(tok_s=B / step_s, step_ms=step_s * 1e3,
-                             tok_j=(calls * B * NEW / joules) if joules else None)
+
+def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192):
+    model = O3Model.from_config(O3Config(model_path=path, device="cuda", dtype=dtype, max_model_len=2048,
+                                         max_num_seqs=max(batches), kv_cache_memory_mb=kv_mb, int4_ffn=int4,
+                                         max_num_batched_tokens=max(2048, PROMPT_LEN * max(batches))))
+    prompts = Prompts(model.engine.info.args.vocab_size)
+    generation(model, prompts(2))  # warm-up
+    ttfts = []
+    params = SamplingParams(max_new_tokens=1)
+    for _ in range(7):
+        ttfts.append(model.generate_batch(prompts(1), params)[0].ttft_s)
+    rows = {"ttft_ms": statistics.median(ttfts) * 1e3, "load_s": model.engine.info.load_seconds}
+    for B in batches:
+        runs, e0, t0 = [], energy.read() if energy.read else None, time.perf_counter()
+        while len(runs) < 3 or time.perf_counter() - t0 < 3.0:
+            runs.append(generation(model, prompts(B)))
+        joules = energy.read() - e0 if e0 is not None else None
+        rows[f"b{B}"] = dict(tok_s=statistics.median(r["decode_tok_s"] for r in runs),
+                             e2e_tok_s=statistics.median(r["e2e_tok_s"] for r in runs),
+                             tok_j=len(runs) * B * NEW / joules if joules else None, runs=len(runs))
+    del model
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -102,43 +104,132 @@ def bench_hf(path, dtype, batches, energy):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).cuda().eval()
-    vocab = model.config.vocab_size
+    prompts = Prompts(model.config.vocab_size)
 
     def gen(ids, n):
-        x = torch.tensor(ids, device="cuda")
         with torch.no_grad():
-            return model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            return model.generate(torch.tensor(ids, device="cuda"), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0)
 
-    gen(prompts(vocab, 1), 4)
+    gen(prompts(1), 4)
     ttfts = []
-    for i in range(5):
+    for _ in range(5):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        gen(prompts(vocab, 1, seed=10 + i), 1)
+        gen(prompts(1), 1)
         torch.cuda.synchronize()
         ttfts.append(time.perf_counter() - t0)
     rows = {"ttft_ms": statistics.median(ttfts) * 1e3}
     for B in batches:
-        ps = prompts(vocab, B, seed=B)
-        c1, _, s1 = energy.joules(lambda: gen(ps, 1), min_seconds=0)
-        calls, joules, sn = energy.joules(lambda: gen(ps, NEW), min_seconds=0)
-        step_s = (sn / calls - s1 / c1) / (NEW - 1)  # decode time per step, prefill taken off
-        rows[f"b{B}"] = dict(tok_s=B / step_s, step_ms=step_s * 1e3,
-                             tok_j=(calls * B * NEW / joules) if joules else None)
+        ids = prompts(B)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gen(ids, 1)
+        torch.cuda.synchronize()
+        t1, e0 = time.perf_counter(), energy.read() if energy.read else None
+        gen(ids, NEW)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t1
+        joules = energy.read() - e0 if e0 is not None else None
+        rows[f"b{B}"] = dict(tok_s=B * (NEW - 1) / (wall - (t1 - t0)), e2e_tok_s=B * NEW / wall,
+                             tok_j=B * NEW / joules if joules else None, runs=1)
+    del model
+    torch.cuda.empty_cache()
     return rows
+
+
+def parse_llamacpp(bench_log: str, energy_log: str | None) -> dict:
+    """llama-batched-bench rows (decode S_TG t/s per parallel streams) and tokens/J of run.sh energy."""
+    out: dict = {}
+    section = bench = None
+    for line in open(bench_log):
+        m = re.match(r"== (batched-bench|llama-bench) (\S+)", line)
+        if m:
+            bench, section = m.group(1), m.group(2)
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if bench == "batched-bench" and len(cells) >= 10 and cells[0].isdigit():
+            b = int(cells[2])
+            out.setdefault(f"llama.cpp {section}", {})[f"b{b}"] = dict(tok_s=float(cells[7]), tok_j=None)
+        elif bench == "llama-bench" and len(cells) >= 8 and cells[5] == "1" and cells[6] == "pp128":
+            # TTFT: the prompt's prefill (flash attention on, mean of llama-bench's runs)
+            out.setdefault(f"llama.cpp {section}", {})["ttft_ms"] = 128 / float(cells[7].split()[0]) * 1e3
+        m = re.match(r"hf bs=(\d+) ttft_ms=([\d.]+) tok_s=([\d.]+) tok_per_J=([\d.]+)", line)
+        if m:  # transformers run by the peer script: whole generate() incl. prefill
+            row = out.setdefault("transformers (peer script)", {})
+            row[f"b{m.group(1)}"] = dict(tok_s=float(m.group(3)), tok_j=float(m.group(4)))
+            if m.group(1) == "1":
+                row["b1"]["ttft_ms"] = float(m.group(2))
+    if energy_log and os.path.exists(energy_log):
+        load_j, current = None, None
+        for line in open(energy_log):
+            m = re.match(r"== energy (\S+) npl=(\d+) ntg=(\d+)", line)
+            if m:
+                current = (m.group(1), int(m.group(2)), int(m.group(3)))
+            elif line.startswith("== energy: load only"):
+                current = "load"
+            m = re.search(r"ENERGY joules=([\d.]+)", line)
+            if m and current == "load":
+                load_j = float(m.group(1))
+            elif m and current:
+                q, npl, ntg = current
+                out.setdefault(f"llama.cpp {q}", {}).setdefault(f"b{npl}", {})["_joules"] = (float(m.group(1)), npl * ntg)
+        for row in out.values():
+            for cell in row.values():
+                if "_joules" in cell:
+                    j, toks = cell.pop("_joules")
+                    cell["tok_j"] = toks / (j - (load_j or 0.0))
+    hf = out.get("transformers (peer script)", {})
+    if "b1" in hf:
+        hf["ttft_ms"] = hf["b1"].pop("ttft_ms", None)
+    return {k: v for k, v in out.items() if any(key.startswith("b") for key in v)}
+
+
+def weight_bytes(model_path: str, dtype: str, int4: bool) -> float:
+    """Bytes one decode step must read: every weight once (INT4 FFN at 4.25 bits with group scales)."""
+    from o3edge.engine.checkpoint import read_model_args
+
+    a = read_model_args(model_path)
+    elem = 4 if dtype == "float32" else 2
+    attn = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim * a.hidden_size
+    ffn = 3 * a.hidden_size * a.intermediate_size
+    head = a.vocab_size * a.hidden_size
+    ffn_bytes = ffn * (0.5 + 4 / 128) if int4 else ffn * elem
+    return a.num_layers * (attn * elem + ffn_bytes) + head * elem
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shape", default="tinyllama-1.1b", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="float16")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--int4", action="store_true", help="also run o3edge with INT4 FFN weights")
     ap.add_argument("--model", help="existing checkpoint dir (default: make one with random weights)")
+    ap.add_argument("--llamacpp", help="BENCH_LOG[,ENERGY_LOG] of .peer/run.sh from this same call")
+    ap.add_argument("--reuse", help="o3edge figures from an earlier --json of this run (skip re-measuring)")
     ap.add_argument("--json")
+    ap.add_argument("--plot")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
+    if a.reuse:  # figures measured earlier in this same call: only add the peers' and re-render
+        r = json.load(open(a.reuse))
+        r["systems"] = {k: v for k, v in r["systems"].items() if k.startswith("o3edge")}
+    else:
+        r = measure(a, batches)
+    if a.llamacpp:
+        logs = a.llamacpp.split(",")
+        r["systems"].update(parse_llamacpp(logs[0], logs[1] if len(logs) > 1 else None))
+    print(table(r, batches))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(r, fh, indent=1)
+    if a.plot:
+        plot(r, batches, a.plot)
+
+
+def measure(a, batches) -> dict:
+    """o3edge (and optionally transformers) on this GPU."""
     path = a.model
     if path is None:
         from o3edge.tiny import make_checkpoint
@@ -148,41 +239,71 @@ def main():
             print(f"making {a.shape} checkpoint in {path}", flush=True)
             make_checkpoint(path, **SHAPES[a.shape])
     energy = Energy()
-    results = {"shape": a.shape, "dtype": a.dtype, "gpu": torch.cuda.get_device_name(),
-               "date": time.strftime("%Y-%m-%d"), "o3edge": bench_o3(path, a.dtype, batches, energy)}
-    print("o3edge", json.dumps(results["o3edge"]), flush=True)
+    r = {"shape": a.shape, "model": path, "dtype": a.dtype, "gpu": torch.cuda.get_device_name(),
+         "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "systems": {}}
+    r["systems"]["o3edge"] = bench_o3(path, a.dtype, batches, energy)
+    print("o3edge", json.dumps(r["systems"]["o3edge"]), flush=True)
     if a.int4:
-        torch.cuda.empty_cache()
-        results["o3edge INT4-FFN"] = bench_o3(path, a.dtype, batches, energy, int4=True)
-        print("o3edge INT4-FFN", json.dumps(results["o3edge INT4-FFN"]), flush=True)
+        r["systems"]["o3edge INT4-FFN"] = bench_o3(path, a.dtype, batches, energy, int4=True)
+        print("o3edge INT4-FFN", json.dumps(r["systems"]["o3edge INT4-FFN"]), flush=True)
     if not a.skip_hf:
-        torch.cuda.empty_cache()
-        results["transformers"] = bench_hf(path, a.dtype, batches, energy)
-        print("transformers", json.dumps(results["transformers"]), flush=True)
-    print(table(results))
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+        r["systems"]["transformers"] = bench_hf(path, a.dtype, batches, energy)
+        print("transformers", json.dumps(r["systems"]["transformers"]), flush=True)
+    r["floor_ms"] = {k: weight_bytes(path, a.dtype, k.endswith("INT4-FFN")) / HBM_BYTES_PER_S * 1e3
+                     for k in r["systems"] if k.startswith("o3edge")}
+    return r
 
 
-def table(r) -> str:
-    lines = [f"{r['shape']} {r['dtype']} on {r['gpu']} ({r['date']})", "",
-             "| system | TTFT 128 (ms) | " + " | ".join(f"{k} tok/s (step ms, tok/J)" for k in r["o3edge"]
-                                                         if k != "ttft_ms") + " |",
-             "|---|---|" + "---|" * (len(r["o3edge"]) - 1)]
-    for name in ("o3edge", "o3edge INT4-FFN", "transformers"):
-        if name not in r:
-            continue
-        row = r[name]
-        cells = [f"{v['tok_s']:.0f} ({v['step_ms']:.2f}, {v['tok_j']:.2f})" if v["tok_j"] else
-                 f"{v['tok_s']:.0f} ({v['step_ms']:.2f}, n/a)" for k, v in row.items() if k != "ttft_ms"]
-        lines.append(f"| {name} | {row['ttft_ms']:.1f} | " + " | ".join(cells) + " |")
-    if "transformers" in r:
-        ratios = [f"{k}: {r['o3edge'][k]['tok_s'] / r['transformers'][k]['tok_s']:.1f}x" for k in r["o3edge"]
-                  if k != "ttft_ms"]
-        lines.append("")
-        lines.append("o3edge / transformers decode: " + ", ".join(ratios))
+def table(r, batches) -> str:
+    head = "| system | TTFT 128 (ms) | " + " | ".join(f"b={b} decode tok/s (tok/J)" for b in batches) + " |"
+    lines = [f"{r['shape']} {r['dtype']} on {r['gpu']} ({r['date']})", "", head,
+             "|---|---:|" + "---:|" * len(batches)]
+    for name, row in r["systems"].items():
+        cells = []
+        for b in batches:
+            c = row.get(f"b{b}")
+            cells.append("—" if not c else f"{c['tok_s']:,.0f} ({c['tok_j']:.1f})" if c.get("tok_j") else
+                         f"{c['tok_s']:,.0f}")
+        ttft = row.get("ttft_ms")
+        lines.append(f"| {name} | {ttft:.1f} | " if ttft else f"| {name} | — | ")
+        lines[-1] += " | ".join(cells) + " |"
+    peers = [k for k in ("llama.cpp Q4_0", "llama.cpp F16", "transformers") if k in r["systems"]]
+    for ours in (k for k in r["systems"] if k.startswith("o3edge")):
+        for peer in peers:
+            ratios = [f"b={b} {r['systems'][ours][f'b{b}']['tok_s'] / r['systems'][peer][f'b{b}']['tok_s']:.2f}x"
+                      for b in batches if f"b{b}" in r["systems"][peer]]
+            lines.append(f"- {ours} / {peer}: " + ", ".join(ratios))
+        b1 = r["systems"][ours].get("b1")
+        if b1:
+            step = 1e3 / b1["tok_s"]
+            lines.append(f"- {ours} batch-1 step {step:.3f} ms = {r['floor_ms'][ours] / step:.0%} of the "
+                         f"bandwidth floor ({r['floor_ms'][ours]:.3f} ms)")
     return "\n".join(lines)
+
+
+def plot(r, batches, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (name, row) in enumerate(r["systems"].items()):
+        xs = [b for b in batches if f"b{b}" in row]
+        a1.plot(xs, [row[f"b{b}"]["tok_s"] for b in xs], marker="o", label=name, color=f"C{i}")
+        ys = [row[f"b{b}"].get("tok_j") for b in xs]
+        if all(ys):
+            a2.plot(xs, ys, marker="o", label=name, color=f"C{i}")
+    for ax, t in ((a1, "decode tokens/s"), (a2, "tokens per joule")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (parallel streams)")
+        ax.set_title(t)
+        ax.grid(True, alpha=0.3)
+    a1.legend(fontsize=8)
+    fig.suptitle(f"{r['shape']} {r['dtype']}, {r['gpu']}, {r['date']}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,33 @@
-"""Decode steps with static shapes, replayed from CUDA graphs.
+"""Decode steps replayed from CUDA graphs: one graph per batch-size bucket, whatever the context length.
 
-Eager decode of a small model spends most of its time launching kernels, so decode steps (one new
-token per sequence) run on preallocated buffers, padded to a bucket of batch sizes and key lengths,
-and on CUDA each (batch, length) bucket is captured once at start-up and replayed. Padding rows write
-their K/V into a scratch slot that no sequence owns. With `capture=False` the same static path runs
-eagerly, which lets the CPU tests check the padding logic.
+Eager decode of a small model spends most of its time launching kernels, so a decode step (one new
+token per sequence) runs the whole model, greedy choice included, as one captured graph over static
+buffers. The step's only input is the int32 metadata matrix of `kernels/decode_attention.py` (token,
+position, cache slot and block table per row), copied to the device in one transfer; attention reads
+the KV cache in place through the block table, so nothing in a graph depends on the context length.
+Per layer the graph runs eight kernels: residual add + RMSNorm, QKV projection, RoPE + KV write +
+attention, output projection, residual add + RMSNorm, gate/up projection, SiLU·mul, down projection.
+Attention is split along the key axis into enough programs to fill the GPU when the batch alone does
+not (the split sizes follow the context at run time, so the graph does not change). Padding rows (a batch smaller than its bucket) write into a scratch slot that no sequence owns.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
-
-from o3edge.engine.model import StepBatch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+
+MAX_SPLITS = 32
+
+
+def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
+    """Key-axis splits for a batch bucket: about two programs per SM, one split once the batch fills it."""
+    programs = batch * kv_heads
+    return 1 if programs >= num_sms else min(MAX_SPLITS, -(-2 * num_sms // programs))
 
 
 def block_tables(seqs, num_rows: int, num_blocks: int) -> torch.Tensor:
@@ -42,81 +54,95 @@ def buckets(limit: int, start: int) -> list[int]:
     return out + [limit]
 
 
+def decode_forward(model, meta: torch.Tensor, cos, sin, kv_cache, block_size: int, num_splits: int):
+    """The whole decode step on fused kernels: meta [B, 3 + blocks] -> (logits [B, V] float32, greedy [B])."""
+    from o3edge.engine.kernels.activation import silu_mul
+    from o3edge.engine.kernels.argmax import float_logits_and_argmax
+    from o3edge.engine.kernels.decode_attention import decode_attention
+    from o3edge.engine.kernels.norm import add_rmsnorm
+
+    args = model.args
+    eps = args.rms_norm_eps
+    h = model.embed(meta[:, 0])  # [B, D]
+    residual = None
+    for i, layer in enumerate(model.layers):
+        x = add_rmsnorm(h, residual, layer.input_norm.weight, eps)
+        residual = h if residual is None else residual
+        attn = layer.attn
+        qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+        o = decode_attention(attn.qkv(x), cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1], attn.num_heads,
+                             block_size, num_splits, qn, kn, eps)
+        x = add_rmsnorm(attn.o(o), residual, layer.post_norm.weight, eps)
+        h = layer.mlp.down(silu_mul(layer.mlp.gate_up(x)))
+    x = add_rmsnorm(h, residual, model.norm.weight, eps)
+    weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    return float_logits_and_argmax(F.linear(x, weight))
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int, capture: bool):
         self.runner, self.capture = runner, capture
         self.block_size = runner.block_size
-        max_len = -(-runner.max_model_len // self.block_size) * self.block_size
+        self.max_blocks = -(-runner.max_model_len // self.block_size)
         self.batch_buckets = buckets(max_batch, 1)
-        self.len_buckets = buckets(max_len, max(256, self.block_size))
-        B, S, dev = self.batch_buckets[-1], self.len_buckets[-1], runner.device
-        self.scratch_slot = runner.scratch_slot
-        self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((B,), self.scratch_slot, dtype=torch.long, device=dev)
-        self.kv_slots = torch.full((B, S), self.scratch_slot, dtype=torch.long, device=dev)
-        self.mask = torch.zeros(B, 1, 1, S, dtype=torch.bool, device=dev)
-        self.arange = torch.arange(B, device=dev)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        B, dev = self.batch_buckets[-1], runner.device
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        self.splits = {b: attention_splits(b, runner.args.num_kv_heads, sms) for b in self.batch_buckets}
+        self.meta = torch.zeros(B, 3 + self.max_blocks, dtype=torch.int32, device=dev)
+        self.meta_host = torch.zeros(B, 3 + self.max_blocks, dtype=torch.int32,
+                                     pin_memory=dev.type == "cuda")
+        self.meta_np = self.meta_host.numpy()
+        self.meta_np[:, 2] = runner.scratch_slot
+        self.meta.copy_(self.meta_host)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.num_steps = 0
 
     def fits(self, batch) -> bool:
-        """Whether a step's batch can take this path: decode only, within the largest buckets."""
-        return (all(n == 1 for _, n in batch) and len(batch) <= self.batch_buckets[-1]
-                and max(s.num_computed_tokens + 1 for s, _ in batch) <= self.len_buckets[-1])
+        """Whether a step's batch can take this path: decode only, within the largest batch bucket."""
+        return all(n == 1 for _, n in batch) and len(batch) <= self.batch_buckets[-1]
 
-    def _step_batch(self, B: int, S: int) -> StepBatch:
-        return StepBatch(slot_mapping=self.slot_mapping[:B], q_dest=self.arange[:B], kv_slots=self.kv_slots[:B, :S],
-                         attn_mask=self.mask[:B, :, :, :S], num_seqs=B, max_q=1, logits_index=self.arange[:B],
-                         dense=True)
-
-    def _forward(self, B: int, S: int) -> torch.Tensor:
+    def _forward(self, B: int):
         r = self.runner
-        return r.model(self.input_ids[:B], self.positions[:B], r.cos, r.sin, self._step_batch(B, S), r.kv_cache)
+        return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, self.splits[B])
 
     def capture_all(self) -> None:
-        """Capture one graph per (batch, length) bucket, largest first, sharing one memory pool."""
+        """Capture one graph per batch bucket, largest first, sharing one memory pool."""
         pool = None
         for B in reversed(self.batch_buckets):
-            for S in reversed(self.len_buckets):
-                self.mask[:B, :, :, 0] = True  # a valid row for the warm-up
-                for _ in range(2):  # warm up on a side stream, as capture requires
-                    self._forward(B, S)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(B, S)
-                pool = graph.pool()
-                self.graphs[(B, S)] = (graph, out)
+            for _ in range(2):  # warm up (Triton compiles here), as capture requires
+                self._forward(B)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits, tokens = self._forward(B)
+            pool = graph.pool()
+            self.graphs[B] = (graph, logits, tokens)
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs (batch %s x length %s)", len(self.graphs), self.batch_buckets,
-                 self.len_buckets)
+        log.info("captured %d decode graphs (batch %s, attention splits %s)", len(self.graphs),
+                 self.batch_buckets, self.splits)
+
+    def _fill(self, batch, B: int) -> None:
+        """Write the step's metadata rows into the pinned host buffer."""
+        bs, meta = self.block_size, self.meta_np
+        for b, (seq, _) in enumerate(batch):
+            pos = seq.num_computed_tokens
+            table = seq.block_table
+            meta[b, 0], meta[b, 1] = seq.token_ids[pos], pos
+            meta[b, 2] = table[pos // bs] * bs + pos % bs
+            meta[b, 3:3 + len(table)] = table
+        meta[len(batch):B, :3] = (0, 0, self.runner.scratch_slot)  # padding rows: scratch slot, self only
 
     @torch.inference_mode()
-    def run(self, batch) -> torch.Tensor:
-        """Logits [len(batch), V] for a decode-only batch."""
-        bs, n = self.block_size, len(batch)
+    def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n, V] float32, greedy tokens [n]) for a decode-only batch of n sequences."""
+        n = len(batch)
         self.num_steps += 1
         B = next(b for b in self.batch_buckets if b >= n)
-        ctx = [s.num_computed_tokens + 1 for s, _ in batch]
-        S = next(s for s in self.len_buckets if s >= max(ctx))
-        ids = torch.tensor([s.token_ids[c - 1] for (s, _), c in zip(batch, ctx)])
-        pos = torch.tensor(ctx) - 1
-        slots = key_slots(block_tables([s for s, _ in batch], B, S // bs), bs)
-        key_pos = torch.arange(S)
-        lens = torch.zeros(B, dtype=torch.long)
-        lens[:n] = torch.tensor(ctx)
-        mask = key_pos[None, :] < lens[:, None]
-        mask[n:, 0] = True  # padding rows attend to one scratch key: no NaN, result unused
-        slots[n:] = self.scratch_slot
-        slot_map = torch.full((B,), self.scratch_slot, dtype=torch.long)
-        slot_map[:n] = slots[torch.arange(n), pos]
-        self.input_ids[:n].copy_(ids, non_blocking=True)
-        self.positions[:n].copy_(pos, non_blocking=True)
-        self.slot_mapping[:B].copy_(slot_map, non_blocking=True)
-        self.kv_slots[:B, :S].copy_(slots, non_blocking=True)
-        self.mask[:B, 0, 0, :S].copy_(mask, non_blocking=True)
+        self._fill(batch, B)
+        self.meta[:B].copy_(self.meta_host[:B], non_blocking=True)
         if self.capture:
-            graph, out = self.graphs[(B, S)]
+            graph, logits, tokens = self.graphs[B]
             graph.replay()
-            return out[:n]
-        return self._forward(B, S)[:n]
+        else:
+            logits, tokens = self._forward(B)
+        return logits[:n], tokens[:n]

@@ -14,6 +14,7 @@ packs at load time, which costs milliseconds.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ FFN_MODULES = ("mlp.gate_up", "mlp.down")
 INNER_K_TILES = 8  # CUDA: 8 k-tiles of 16 per 16-byte load, so K must be a multiple of 128
 _CUDA_K_MULTIPLE = INNER_K_TILES * 16
 _N_MULTIPLE = 16  # the CPU packer wants N % 16 == 0 (CUDA: % 8)
+# Opt-in, experimental: o3edge's Triton W4A16 kernel (kernels/int4_matmul.py) instead of torch's
+# tinygemm on CUDA. Correct (tests/engine/test_kernels.py) but not yet faster; see docs/benchmarks.md.
+TRITON_INT4 = os.environ.get("O3EDGE_INT4_KERNEL") == "triton"
 
 
 def padded_k(in_features: int, multiple: int) -> int:
@@ -72,6 +76,8 @@ def dequantize_int4(qweight: torch.Tensor, scales_and_zeros: torch.Tensor, in_fe
 
 def _pack_for_device(qweight: torch.Tensor, sz: torch.Tensor, group_size: int):
     """Device-neutral (qweight, scales_and_zeros) -> what the device's int4 matmul reads."""
+    if qweight.device.type == "cuda" and TRITON_INT4:  # the Triton kernel reads the device-neutral form
+        return qweight.contiguous(), sz.to(torch.bfloat16).contiguous(), 2 * qweight.shape[1]
     if qweight.device.type == "cuda":
         N, half = qweight.shape
         Kc = padded_k(2 * half, _CUDA_K_MULTIPLE)
@@ -116,6 +122,10 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
+        if x.is_cuda and TRITON_INT4:
+            from o3edge.engine.kernels.int4_matmul import int4_matmul
+
+            return int4_matmul(x, self.weight, self.scales_and_zeros, self.group_size, self.out_features)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.k_padded != self.in_features:

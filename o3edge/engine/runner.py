@@ -49,15 +49,20 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
         """Compute the new tokens' K/V and sample a token for each sequence whose prompt is now done."""
+        greedy = None
         if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(batch)
+            logits, greedy = self.graphs.run(batch)  # decode: every row is done, greedy picked on the GPU
         else:
             input_ids, positions, step = self.prepare(batch)
             logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
         tokens: list[int | None] = [None] * len(batch)
-        if done:
+        if greedy is not None and all(batch[i][0].params.greedy for i in done):
+            picked = greedy.tolist()  # one small copy instead of the logits
+            for i in done:
+                tokens[i] = picked[i]
+        elif done:
             seqs = [batch[i][0] for i in done]
             picked = sample(logits[done], [s.params for s in seqs], [self._generator(s) for s in seqs])
             for i, tok in zip(done, picked):

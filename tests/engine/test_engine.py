@@ -206,7 +206,8 @@ def test_broken_checkpoints_name_the_problem(tmp_path, tiny_dir):
 
 
 def test_static_shape_decode_path_matches_eager(tiny_dir):
-    """The padded, bucketed decode path (what CUDA graphs replay) gives the eager path's tokens."""
+    """The padded, bucketed fused decode step (what CUDA graphs replay; on CPU its Triton kernels run
+    under the interpreter) gives the eager path's tokens."""
     eager = load(tiny_dir, kv_block_size=8)
     static = load(tiny_dir, kv_block_size=8, max_model_len=300)
     static.engine.runner.enable_static_decode(max_batch=8, capture=False)
@@ -215,7 +216,7 @@ def test_static_shape_decode_path_matches_eager(tiny_dir):
     expected = [r.token_ids for r in eager.generate_batch(prompts, params)]
     assert [r.token_ids for r in static.generate_batch(prompts, params)] == expected
     graphs = static.engine.runner.graphs
-    assert graphs.len_buckets == [256, 304] and graphs.batch_buckets == [1, 2, 4, 8]
+    assert graphs.batch_buckets == [1, 2, 4, 8] and graphs.splits[1] > 1  # key-axis splits at batch 1
     assert graphs.num_steps == 29  # every decode step of the 5-sequence batch (padded to 8) took it
 
 

@@ -1,0 +1,220 @@
+"""Decode attention over the paged KV cache, with RoPE and the KV-cache write fused in.
+
+One decode step gives each sequence one new token. For every (sequence, KV head, key split) one
+program loads the step's fused q/k/v row, applies RoPE (and Qwen3's q/k norm) in registers, writes the
+new key and value into the sequence's cache slot (split 0 only), and attends the GQA group's query
+heads to the cached keys, read in place through the block table: no gather of the context into a
+padded copy, and nothing about the context length is baked into the launch, so one CUDA graph per
+batch size serves every length. Long contexts are split along the key axis over several programs
+whose partial results are merged by log-sum-exp in a second small kernel.
+
+Step metadata is one int32 matrix per step, `meta` [B, 3 + max_blocks]: token id, position, cache
+slot, then the sequence's block table. A padding row has position 0, the scratch slot and block 0:
+it attends only to itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+META_TOKEN, META_POS, META_SLOT, META_TABLE = 0, 1, 2, 3
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _rope_rows(x_ptr, rows, row_mask, d, cos, sin, HD: tl.constexpr, w_ptr, eps, NORM: tl.constexpr,
+               dtype: tl.constexpr):  # d: [HD_PAD] with d >= HD masked off
+    """Rows of head vectors at x_ptr + rows*HD: optional RMSNorm, then rotate-half RoPE; float32 out."""
+    half: tl.constexpr = HD // 2
+    mask = row_mask[:, None] & (d < HD)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * HD + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = (d + half) % HD  # rotate_half(x)[i] = -x[i + half] for i < half, x[i - half] after
+    xr = tl.load(x_ptr + rows[:, None] * HD + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        w = tl.load(w_ptr + d, mask=d < HD, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HD + eps)
+        x = (x * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]
+        x = x.to(dtype).to(tl.float32)
+        wr = tl.load(w_ptr + partner, mask=d < HD, other=0.0).to(tl.float32)
+        xr = (xr * rstd[:, None]).to(dtype).to(tl.float32) * wr[None, :]
+        xr = xr.to(dtype).to(tl.float32)
+    sign = tl.where(d < half, -1.0, 1.0)
+    return (x * cos[None, :] + sign[None, :] * xr * sin[None, :]).to(dtype)
+
+
+@triton.jit
+def _attend_block(q, m, l_sum, acc, n0, end, meta, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
+                  HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
+    """Online softmax over keys n0 .. n0+BLOCK_N (those below end), read through the block table."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs < end
+    blk = tl.load(meta + 3 + offs // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
+    src = (blk * KV_BLOCK + offs % KV_BLOCK) * stride_slot + kvh * HD
+    kv_mask = n_mask[:, None] & (d < HD)[None, :]
+    k = tl.load(k_cache_ptr + src[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HD_PAD]
+    v = tl.load(v_cache_ptr + src[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, BLOCK_N]
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def _decode_attention_kernel(
+        qkv_ptr, stride_qkv, cos_ptr, sin_ptr, meta_ptr, stride_meta,
+        k_cache_ptr, v_cache_ptr, stride_slot, qn_ptr, kn_ptr, eps,
+        out_ptr, stride_out, part_o_ptr, part_lse_ptr, sm_scale,
+        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
+        HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        QK_NORM: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dtype = k_cache_ptr.dtype.element_ty
+    meta = meta_ptr + b * stride_meta
+    pos = tl.load(meta + 1)
+    d = tl.arange(0, HD_PAD)
+    d_mask = d < HD
+    g = tl.arange(0, G_PAD)
+    g_mask = g < G
+    cos = tl.load(cos_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
+    row = qkv_ptr + b * stride_qkv
+    q = _rope_rows(row, kvh * G + g, g_mask, d, cos, sin, HD, qn_ptr, eps, QK_NORM, dtype)  # [G_PAD, HD]
+    one = tl.arange(0, 1)
+    k_new = _rope_rows(row + (H + kvh) * HD, one, one < 1, d, cos, sin, HD, kn_ptr, eps, QK_NORM, dtype)  # [1, HD]
+    new_mask = (one < 1)[:, None] & d_mask[None, :]
+    v_new = tl.load(row + (H + KVH + kvh) * HD + d[None, :] + one[:, None] * 0, mask=new_mask, other=0.0)  # [1, HD_PAD]
+    if split == 0:
+        slot = tl.load(meta + 2).to(tl.int64)
+        dst = slot * stride_slot + kvh * HD + one[:, None] * 0 + d[None, :]
+        tl.store(k_cache_ptr + dst, k_new, mask=new_mask)
+        tl.store(v_cache_ptr + dst, v_new, mask=new_mask)
+
+    ctx = pos  # cached keys before the new token
+    chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, ctx)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HD_PAD], tl.float32)
+    if INTERPRET:  # the interpreter cannot take a tensor as a range bound; compiled code pipelines a for
+        n0 = start
+        while n0 < end:
+            m, l_sum, acc = _attend_block(q, m, l_sum, acc, n0, end, meta, k_cache_ptr, v_cache_ptr, stride_slot,
+                                          kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m, l_sum, acc = _attend_block(q, m, l_sum, acc, n0, end, meta, k_cache_ptr, v_cache_ptr, stride_slot,
+                                          kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+    if split == 0:  # the new token attends to itself
+        s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale  # [G_PAD]
+        m_new = tl.maximum(m, s_self)
+        alpha = tl.exp(m - m_new)
+        p_self = tl.exp(s_self - m_new)
+        l_sum = l_sum * alpha + p_self
+        acc = acc * alpha[:, None] + p_self[:, None] * v_new.to(tl.float32)
+        m = m_new
+    heads = kvh * G + g
+    if NUM_SPLITS == 1:
+        o = acc / l_sum[:, None]
+        tl.store(out_ptr + b * stride_out + heads[:, None] * HD + d[None, :], o.to(dtype),
+                 mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        has = l_sum > 0
+        o = tl.where(has[:, None], acc / tl.where(has, l_sum, 1.0)[:, None], 0.0)
+        lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
+        part = (b * H + heads) * NUM_SPLITS + split  # [G_PAD]
+        tl.store(part_o_ptr + part[:, None] * HD + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_out, H: tl.constexpr, HD: tl.constexpr,
+                         HD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HD_PAD)
+    base = (b * H + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [S]
+    o = tl.load(part_o_ptr + (base + s)[:, None] * HD + d[None, :],
+                mask=(s < NUM_SPLITS)[:, None] & (d < HD)[None, :], other=0.0)  # [S, HD_PAD]
+    w = tl.exp(lse - tl.max(lse, axis=0))  # empty splits have lse -inf: weight 0
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b * stride_out + h * HD + d, out.to(out_ptr.dtype.element_ty), mask=d < HD)
+
+
+def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block_size: int,
+                     num_splits: int = 1, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """qkv: [B, (H + 2*KVH) * hd] this step's projections; cos, sin: [max_len, hd] tables;
+    meta: int32 [B, 3 + max_blocks]; k_cache, v_cache: [slots, KVH, hd] (written at each row's slot).
+    Returns the attention output [B, H * hd]."""
+    B = qkv.shape[0]
+    _, KVH, HD = k_cache.shape
+    G = num_heads // KVH
+    out = torch.empty(B, num_heads * HD, device=qkv.device, dtype=k_cache.dtype)
+    if num_splits > 1:
+        part_o = torch.empty(B, num_heads, num_splits, HD, device=qkv.device, dtype=torch.float32)
+        part_lse = torch.empty(B, num_heads, num_splits, device=qkv.device, dtype=torch.float32)
+    else:
+        part_o = part_lse = out
+    norm = q_norm is not None
+    _decode_attention_kernel[(B, KVH, num_splits)](
+        qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), k_cache, v_cache, k_cache.stride(0),
+        q_norm if norm else cos, k_norm if norm else cos, eps, out, out.stride(0), part_o, part_lse, HD ** -0.5,
+        H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
+        HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
+        BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, NUM_SPLITS=num_splits, QK_NORM=norm,
+        IEEE=k_cache.dtype == torch.float32, INTERPRET=INTERPRET, num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _merge_splits_kernel[(B, num_heads)](part_o, part_lse, out, out.stride(0), H=num_heads, HD=HD,
+                                             HD_PAD=triton.next_power_of_2(HD), NUM_SPLITS=num_splits,
+                                             SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=2)
+    return out
+
+
+def decode_attention_reference(qkv, cos, sin, meta, k_cache, v_cache, num_heads, block_size,
+                               q_norm=None, k_norm=None, eps=1e-6):
+    """Plain torch, one sequence at a time: what decode_attention computes (and writes)."""
+    from o3edge.engine.rope import apply_rope
+
+    B = qkv.shape[0]
+    _, KVH, HD = k_cache.shape
+    qkv = qkv.view(B, num_heads + 2 * KVH, HD)
+    outs = []
+    for b in range(B):
+        token, pos, slot = meta[b, :3].tolist()
+        q, k, v = qkv[b, :num_heads], qkv[b, num_heads:num_heads + KVH], qkv[b, num_heads + KVH:]
+        if q_norm is not None:
+            q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
+        q = apply_rope(q[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
+        k = apply_rope(k[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
+        k_cache[slot], v_cache[slot] = k, v
+        keys = torch.arange(pos + 1, device=meta.device)
+        slots = meta[b, 3 + keys // block_size].long() * block_size + keys % block_size
+        kk, vv = k_cache[slots].float(), v_cache[slots].float()  # [S, KVH, hd]
+        kk = kk.repeat_interleave(num_heads // KVH, dim=1)
+        vv = vv.repeat_interleave(num_heads // KVH, dim=1)
+        att = torch.softmax(torch.einsum("hd,shd->hs", q.float(), kk) * HD ** -0.5, dim=-1)
+        outs.append(torch.einsum("hs,shd->hd", att, vv).reshape(-1).to(k_cache.dtype))
+    return torch.stack(outs)
+
+
+def _rms(x, w, eps):
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One GPU-machine call: build llama.cpp (CUDA, sm_90) from ../shared/peers/gpu (prepared into .peer/
+# by its prepare.sh), then benchmark o3edge and llama.cpp on the same random TinyLlama-1.1B-shaped
+# checkpoint, and profile one llama-1b decode step. Results land in $OUT (JSON and logs); plot them with
+# `python tools/bench_gpu.py --reuse OUT.json --plot PNG` where matplotlib is installed.
+#   bash ../shared/peers/gpu/prepare.sh && bash ../shared/device/fetch-wheels.sh   # here, once
+#   device run (carry .peer and .whl): bash tools/bench_gpu_vs_llamacpp.sh
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/o3bench}; mkdir -p "$OUT"
+t0=$(date +%s)
+bash .peer/run.sh build > "$OUT/llamacpp-build.log" 2>&1 || { tail -30 "$OUT/llamacpp-build.log"; exit 1; }
+echo "llama.cpp built in $(( $(date +%s) - t0 )) s"
+python3 tools/bench_gpu.py --model /tmp/lcw/ckpt --shape tinyllama-1.1b --dtype float16 --int4 --skip-hf \
+  --json "$OUT/o3edge-only.json" 2>&1 | grep -E "^o3edge" 
+bash .peer/run.sh bench > "$OUT/llamacpp-bench.log" 2>&1
+python3 tools/bench_gpu.py --model /tmp/lcw/ckpt --shape tinyllama-1.1b --dtype float16 --int4 --skip-hf \
+  --reuse "$OUT/o3edge-only.json" --llamacpp "$OUT/llamacpp-bench.log" --json "$OUT/tinyllama-fp16.json"
+echo "elapsed $(( $(date +%s) - t0 )) s"
+python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --json "$OUT/profile-llama1b-bf16.json" 2>&1 | grep -v -i warn
+python3 tools/bench_int4_kernels.py --json "$OUT/int4-kernels.json"
+echo "elapsed $(( $(date +%s) - t0 )) s"
