@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -80,22 +79,39 @@ def decode_forward(model, meta: torch.Tensor, cos, sin, kv_cache, block_size: in
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int, capture: bool):
+    """Decode steps on static buffers, replayed from one CUDA graph per batch bucket.
+
+    With launch_ahead (the default when capturing), a greedy step whose sequences all continue in
+    their current KV block also queues the next step before it returns: that step's input tokens are
+    this step's greedy outputs, copied on the device, so the GPU computes step n+1 while the host
+    streams step n's tokens and schedules. If the engine's next batch is that same batch one token
+    on, the queued step is taken as it is; if not (a sequence finished, a request arrived, sampling),
+    its results are dropped. That is safe: it wrote only the K/V that the sequences' own next token
+    will write again, into slots of blocks they held and that no cached prefix shares.
+    """
+
+    def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
         self.runner, self.capture = runner, capture
+        self.launch_ahead = capture if launch_ahead is None else launch_ahead
         self.block_size = runner.block_size
         self.max_blocks = -(-runner.max_model_len // self.block_size)
         self.batch_buckets = buckets(max_batch, 1)
         B, dev = self.batch_buckets[-1], runner.device
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         self.splits = {b: attention_splits(b, runner.args.num_kv_heads, sms) for b in self.batch_buckets}
+        pinned = dev.type == "cuda"
         self.meta = torch.zeros(B, 3 + self.max_blocks, dtype=torch.int32, device=dev)
-        self.meta_host = torch.zeros(B, 3 + self.max_blocks, dtype=torch.int32,
-                                     pin_memory=dev.type == "cuda")
-        self.meta_np = self.meta_host.numpy()
-        self.meta_np[:, 2] = runner.scratch_slot
-        self.meta.copy_(self.meta_host)
+        # two host buffers: one can still be in flight to the device while the other is filled
+        self.meta_host = [torch.zeros(B, 3 + self.max_blocks, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        for m in self.meta_host:
+            m[:, 2] = runner.scratch_slot
+        self.meta.copy_(self.meta_host[0])
+        self.num_fills = 0
+        self.tokens_host = torch.zeros(B, dtype=torch.long, pin_memory=pinned)
+        self.tokens_ready = torch.cuda.Event() if pinned else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self.num_steps = 0
+        self.ahead: list[tuple[int, int, int]] | None = None  # (seq_id, position, token) of the queued step
+        self.num_steps = self.num_ahead_taken = 0
 
     def fits(self, batch) -> bool:
         """Whether a step's batch can take this path: decode only, within the largest batch bucket."""
@@ -121,28 +137,71 @@ class DecodeGraphs:
         log.info("captured %d decode graphs (batch %s, attention splits %s)", len(self.graphs),
                  self.batch_buckets, self.splits)
 
-    def _fill(self, batch, B: int) -> None:
-        """Write the step's metadata rows into the pinned host buffer."""
-        bs, meta = self.block_size, self.meta_np
+    def _launch(self, batch, B: int, ahead: int = 0, tokens: torch.Tensor | None = None):
+        """Queue a step for batch, each sequence `ahead` positions past its computed tokens (with
+        ahead, its input token is taken from `tokens` on the device). Returns (logits, tokens)."""
+        bs = self.block_size
+        host = self.meta_host[self.num_fills % 2]
+        self.num_fills += 1
+        meta = host.numpy()
         for b, (seq, _) in enumerate(batch):
-            pos = seq.num_computed_tokens
+            pos = seq.num_computed_tokens + ahead
             table = seq.block_table
-            meta[b, 0], meta[b, 1] = seq.token_ids[pos], pos
+            meta[b, 0], meta[b, 1] = (0 if ahead else seq.token_ids[pos]), pos
             meta[b, 2] = table[pos // bs] * bs + pos % bs
             meta[b, 3:3 + len(table)] = table
         meta[len(batch):B, :3] = (0, 0, self.runner.scratch_slot)  # padding rows: scratch slot, self only
+        self.meta[:B].copy_(host[:B], non_blocking=True)
+        if tokens is not None:
+            self.meta[:len(batch), 0].copy_(tokens[:len(batch)])
+        if self.capture:
+            graph, logits, out = self.graphs[B]
+            graph.replay()
+            return logits, out
+        return self._forward(B)
+
+    def _continues(self, batch) -> bool:
+        """Whether every sequence's next position is in a block it already holds and it may go on."""
+        bs, limit = self.block_size, self.runner.max_model_len
+        for seq, _ in batch:
+            nxt = seq.num_computed_tokens + 1
+            if (not seq.params.greedy or nxt != len(seq) or nxt >= limit or nxt // bs >= len(seq.block_table)
+                    or seq.params.max_new_tokens - seq.num_output_tokens < 2):
+                return False
+        return True
+
+    def drop_ahead(self) -> None:
+        """Forget a queued step (another path runs this step)."""
+        self.ahead = None
+
+    def _is_ahead(self, batch) -> bool:
+        ahead, self.ahead = self.ahead, None
+        return ahead is not None and len(ahead) == len(batch) and all(
+            seq.seq_id == sid and seq.num_computed_tokens == pos and seq.token_ids[pos] == tok
+            for (seq, _), (sid, pos, tok) in zip(batch, ahead))
 
     @torch.inference_mode()
-    def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [n, V] float32, greedy tokens [n]) for a decode-only batch of n sequences."""
+    def run(self, batch, greedy_only: bool = False) -> tuple[torch.Tensor | None, list[int] | None]:
+        """Logits [n, V] float32 (None once a queued step has overwritten them) and, with
+        greedy_only, the greedy tokens as a list, for a decode-only batch of n sequences."""
         n = len(batch)
         self.num_steps += 1
         B = next(b for b in self.batch_buckets if b >= n)
-        self._fill(batch, B)
-        self.meta[:B].copy_(self.meta_host[:B], non_blocking=True)
-        if self.capture:
-            graph, logits, tokens = self.graphs[B]
-            graph.replay()
+        if self._is_ahead(batch):
+            self.num_ahead_taken += 1
+            _, logits, tokens = self.graphs[B] if self.capture else (None, *self._queued)
         else:
-            logits, tokens = self._forward(B)
-        return logits[:n], tokens[:n]
+            logits, tokens = self._launch(batch, B)
+        if not greedy_only:
+            return logits[:n], None
+        if not (self.launch_ahead and self._continues(batch)):
+            return logits[:n], tokens[:n].tolist()
+        self.tokens_host[:n].copy_(tokens[:n], non_blocking=True)
+        if self.tokens_ready is not None:
+            self.tokens_ready.record()
+        self._queued = self._launch(batch, B, ahead=1, tokens=tokens)  # step n+1 runs while we return
+        if self.tokens_ready is not None:
+            self.tokens_ready.synchronize()
+        picked = self.tokens_host[:n].tolist()
+        self.ahead = [(seq.seq_id, seq.num_computed_tokens + 1, tok) for (seq, _), tok in zip(batch, picked)]
+        return None, picked

@@ -109,7 +109,8 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_mb * (1 << 20) // block_bytes)
         self.runner = ModelRunner(model, args, device, dtype, num_blocks, config.kv_block_size, max_len, config.seed)
         if device.type == "cuda" and config.cuda_graphs:
-            self.runner.enable_static_decode(config.max_num_seqs, capture=True)
+            self.runner.enable_static_decode(config.max_num_seqs, capture=True,
+                                             max_prefill_tokens=config.max_num_batched_tokens)
         fp = fingerprint(model_dir) + int4_tag(model)  # INT4 made at load changes the logits: not the same model
         self.blocks = BlockManager(num_blocks, config.kv_block_size, f"{fp}:{dtype}", config.dynamic_kv_cache)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)

@@ -9,6 +9,7 @@ import torch
 from o3edge.engine.checkpoint import ModelArgs
 from o3edge.engine.cuda_graph import DecodeGraphs, block_tables, key_slots
 from o3edge.engine.model import StepBatch, Transformer
+from o3edge.engine.prefill_graph import PrefillGraphs
 from o3edge.engine.rope import rope_tables
 from o3edge.engine.sampling import make_generator, sample
 from o3edge.engine.sequence import Sequence
@@ -30,6 +31,7 @@ class ModelRunner:
                                     args.head_dim, device=device, dtype=dtype)
         self.scratch_slot = num_blocks * block_size
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.generators: dict[int, torch.Generator | None] = {}
         self._seed = seed
         self.last_logits: torch.Tensor | None = None
@@ -40,26 +42,37 @@ class ModelRunner:
         elem = torch.tensor([], dtype=dtype).element_size()
         return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * elem
 
-    def enable_static_decode(self, max_batch: int, capture: bool) -> None:
-        """Run decode steps on static buffers; with capture, replay them from CUDA graphs."""
+    def enable_static_decode(self, max_batch: int, capture: bool, max_prefill_tokens: int = 0) -> None:
+        """Run decode steps (and, with max_prefill_tokens, fresh one-sequence prefills) on static
+        buffers; with capture, replay them from CUDA graphs."""
         self.graphs = DecodeGraphs(self, max_batch, capture)
+        if max_prefill_tokens:
+            self.prefill_graphs = PrefillGraphs(self, max_prefill_tokens, capture)
         if capture:
             self.graphs.capture_all()
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.capture_all()
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
         """Compute the new tokens' K/V and sample a token for each sequence whose prompt is now done."""
-        greedy = None
-        if self.graphs is not None and self.graphs.fits(batch):
-            logits, greedy = self.graphs.run(batch)  # decode: every row is done, greedy picked on the GPU
-        else:
-            input_ids, positions, step = self.prepare(batch)
-            logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
-        self.last_logits = logits  # kept for tests and quality reports; no copy
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
+        greedy_only = all(batch[i][0].params.greedy for i in done)
+        picked = None
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits, picked = self.graphs.run(batch, greedy_only)  # decode: greedy picked on the GPU
+        else:
+            if self.graphs is not None:
+                self.graphs.drop_ahead()
+            if self.prefill_graphs is not None and self.prefill_graphs.fits(batch):
+                logits, greedy = self.prefill_graphs.run(batch)
+                picked = greedy.tolist() if greedy_only else None
+            else:
+                input_ids, positions, step = self.prepare(batch)
+                logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
+        self.last_logits = logits  # kept for tests and quality reports; no copy (None: overwritten)
         tokens: list[int | None] = [None] * len(batch)
-        if greedy is not None and all(batch[i][0].params.greedy for i in done):
-            picked = greedy.tolist()  # one small copy instead of the logits
+        if picked is not None:  # one small copy instead of the logits
             for i in done:
                 tokens[i] = picked[i]
         elif done:

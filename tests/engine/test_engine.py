@@ -220,6 +220,59 @@ def test_static_shape_decode_path_matches_eager(tiny_dir):
     assert graphs.num_steps == 29  # every decode step of the 5-sequence batch (padded to 8) took it
 
 
+def test_prefill_graph_path_matches_eager(tiny_dir):
+    """A fresh prompt prefilled on the padded token-bucket path (what CUDA graphs replay) gives the
+    eager path's logits and tokens; a prompt longer than the largest bucket and a cached prefix
+    take the eager path."""
+    eager = load(tiny_dir, kv_block_size=8)
+    static = load(tiny_dir, kv_block_size=8, max_model_len=300)
+    static.engine.runner.enable_static_decode(max_batch=2, capture=False, max_prefill_tokens=64)
+    graphs = static.engine.runner.prefill_graphs
+    assert graphs.token_buckets == [16, 32, 64]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    for prompt in ("a = 1\nb = 2\n", "import json\n" * 9):  # 16- and 64-token buckets, partly padded
+        ids = eager.engine.encode(prompt)
+        want = eager.generate_batch([ids], params)[0].token_ids
+        assert static.generate_batch([ids], params)[0].token_ids == want
+    assert graphs.num_steps == 2
+    long = eager.engine.encode("import json\n" * 30)  # > 64 tokens: chunked by the eager path
+    assert static.generate_batch([long], params)[0].token_ids == eager.generate_batch([long], params)[0].token_ids
+    assert graphs.num_steps == 2
+
+
+def test_launch_ahead_decode_matches_eager(tiny_dir):
+    """Queuing step n+1 before step n's tokens reach the host (what the GPU does to hide host work)
+    changes nothing: sequences that end at different lengths, cross block boundaries, and join late
+    get the eager path's tokens, and most steps are taken from the queue."""
+    from o3edge.engine.cuda_graph import DecodeGraphs
+
+    eager = load(tiny_dir, kv_block_size=8)
+    ahead = load(tiny_dir, kv_block_size=8, max_model_len=300)
+    runner = ahead.engine.runner
+    runner.graphs = DecodeGraphs(runner, 4, capture=False, launch_ahead=True)
+    prompts = [eager.engine.encode(p) for p in ("a = 1", "def f(x):\n    return", "import os")]
+    lengths = (20, 9, 14)  # rows leave the batch at different steps: the queued step is dropped then
+
+    def run(model):
+        e = model.engine
+        for i, (ids, n) in enumerate(zip(prompts, lengths)):
+            e.add_request(f"r{i}", ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        out = {f"r{i}": [] for i in range(3)}
+        steps = 0
+        while e.has_unfinished_requests():
+            for o in e.step()[0]:
+                out[o.request_id] += o.token_ids
+            steps += 1
+            if steps == 5:  # a late arrival changes the batch
+                e.add_request("late", prompts[0], SamplingParams(max_new_tokens=6, ignore_eos=True))
+                out["late"] = []
+        return out
+
+    assert run(ahead) == run(eager)
+    graphs = runner.graphs
+    assert graphs.num_ahead_taken >= graphs.num_steps // 2
+
+
 def test_displaced_request_ends_with_busy_and_frees_nothing_it_never_held(tiny_dir):
     from o3edge.engine.scheduler import DEFAULT_POLICY
     from o3edge.engine.sequence import Priority

@@ -33,6 +33,9 @@ def test_float32_on_cuda_matches_transformers(checkpoints, variant):
     prompts = [m.engine.encode(p) for p in PROMPTS]
     ours = [r.token_ids for r in m.generate_batch(prompts, params)]  # decode replays CUDA graphs
     assert m.engine.runner.graphs.num_steps > 0
+    prompts.append(m.engine.encode("while True:\n    line = input()"))  # alone, nothing cached:
+    ours.append(m.generate_batch(prompts[-1:], params)[0].token_ids)  # prefill graph, decode launched ahead
+    assert m.engine.runner.prefill_graphs.num_steps > 0 and m.engine.runner.graphs.num_ahead_taken > 0
     for ids, got in zip(prompts, ours):
         out = ref.generate(torch.tensor([ids], device="cuda"), max_new_tokens=64, min_new_tokens=64,
                            do_sample=False, pad_token_id=0, eos_token_id=None)

@@ -1,0 +1,84 @@
+"""A fresh prompt's prefill replayed from CUDA graphs, one per token-count bucket.
+
+Eager prefill of a short prompt is launch-bound like eager decode (~25 kernels a layer, each paying
+the host's dispatch cost), so a step that prefills one sequence from its first token runs the model
+body captured for the smallest bucket of 16, 32, ... tokens that holds the chunk. Padding tokens write
+their K/V into the scratch slot and are masked causally like real ones: a real token never sees them.
+Steps with several sequences, a cached prefix or decodes mixed in still run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from o3edge.engine.cuda_graph import buckets
+from o3edge.engine.model import StepBatch
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET = 16
+
+
+class PrefillGraphs:
+    def __init__(self, runner, max_tokens: int, capture: bool):
+        self.runner, self.capture = runner, capture
+        limit = min(max_tokens, runner.max_model_len)
+        self.token_buckets = buckets(limit, MIN_BUCKET) if limit >= MIN_BUCKET else []
+        T, dev = (self.token_buckets or [1])[-1], runner.device
+        self.input_ids = torch.zeros(T, dtype=torch.long, device=dev)
+        self.positions = torch.arange(T, device=dev)
+        self.slots = torch.full((1, T), runner.scratch_slot, dtype=torch.long, device=dev)
+        self.mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None]  # [1, 1, T, T] causal
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.arange = torch.arange(T, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.num_steps = 0
+
+    def fits(self, batch) -> bool:
+        """One sequence, prefilled from its first token, within the largest bucket."""
+        return (len(batch) == 1 and batch[0][0].num_computed_tokens == 0 and 1 < batch[0][1]
+                and bool(self.token_buckets) and batch[0][1] <= self.token_buckets[-1])
+
+    def _forward(self, T: int):
+        r = self.runner
+        step = StepBatch(slot_mapping=self.slots[0, :T], q_dest=self.arange[:T], kv_slots=self.slots[:, :T],
+                         attn_mask=self.mask[:, :, :T, :T], num_seqs=1, max_q=T, logits_index=self.last, dense=True)
+        logits = r.model(self.input_ids[:T], self.positions[:T], r.cos, r.sin, step, r.kv_cache)  # [1, V]
+        return logits, logits.argmax(-1)
+
+    def capture_all(self) -> None:
+        """Capture one graph per token bucket, largest first, sharing one memory pool."""
+        pool = None
+        for T in reversed(self.token_buckets):
+            for _ in range(2):
+                self._forward(T)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits, tokens = self._forward(T)
+            pool = graph.pool()
+            self.graphs[T] = (graph, logits, tokens)
+        torch.cuda.synchronize()
+        log.info("captured %d prefill graphs (tokens %s)", len(self.graphs), self.token_buckets)
+
+    @torch.inference_mode()
+    def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [1, V] float32, greedy token [1]) after prefilling the chunk."""
+        seq, n = batch[0]
+        self.num_steps += 1
+        T = next(t for t in self.token_buckets if t >= n)
+        bs, table = self.runner.block_size, seq.block_table
+        pos = torch.arange(n)
+        slots = torch.full((T,), self.runner.scratch_slot, dtype=torch.long)
+        slots[:n] = torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
+        self.input_ids[:n].copy_(torch.tensor(seq.token_ids[:n]), non_blocking=True)
+        self.slots[0, :T].copy_(slots, non_blocking=True)
+        self.last.fill_(n - 1)
+        if self.capture:
+            graph, logits, tokens = self.graphs[T]
+            graph.replay()
+        else:
+            logits, tokens = self._forward(T)
+        return logits, tokens
