@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -39,6 +40,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--force", action="store_true", help="replace OUT if it exists")
     i = sub.add_parser("inspect", help="show an engine directory's manifest and stored report")
     i.add_argument("engine_dir")
+    e = sub.add_parser("export", help="export a checkpoint's decoder to ONNX (explicit KV inputs and outputs)")
+    e.add_argument("src", help="checkpoint directory")
+    e.add_argument("out", help="directory to write model.onnx, onnx.json and the tokenizer into")
+    e.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    e.add_argument("--check", action="store_true",
+                   help="compare ONNX Runtime's logits and greedy tokens with the torch engine's, store the table")
+    e.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt for --check (default 32)")
     return ap.parse_args(argv)
 
 
@@ -47,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False, soft_wrap=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if a.command == "export":
+            return export(a, console)
         return build(a, console) if a.command == "build" else inspect(a.engine_dir, console)
     except O3Error as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -136,10 +146,35 @@ def print_report(report, console: Console) -> None:
     console.print(table)
 
 
+def export(a: argparse.Namespace, console: Console) -> int:
+    """o3edge export: the ONNX model, and with --check its precision-alignment table."""
+    from o3edge.export.onnx_export import check_onnx, export_onnx
+
+    manifest = export_onnx(a.src, a.out, a.dtype)
+    console.print(f"wrote {os.path.join(a.out, 'model.onnx')} (opset {manifest['opset']}, {a.dtype}) "
+                  f"in {manifest['export_seconds']:.1f} s", markup=False)
+    if a.check:
+        console.print(f"checking ONNX Runtime against the torch engine ({a.check_tokens} greedy tokens per "
+                      "prompt) ...", markup=False)
+        print_report(check_onnx(a.src, a.out, a.check_tokens), console)
+    return 0
+
+
 def inspect(engine_dir: str, console: Console) -> int:
     from o3edge.engine.engine_dir import read_manifest
     from o3edge.engine.precision import PrecisionReport
+    from o3edge.export.onnx_export import MANIFEST
 
+    onnx_manifest = os.path.join(engine_dir, MANIFEST)
+    if os.path.exists(onnx_manifest):  # an ONNX export directory
+        with open(onnx_manifest) as fh:
+            raw = json.load(fh)
+        console.print(f"onnx        {os.path.abspath(engine_dir)} (opset {raw['opset']}, {raw['dtype']}, "
+                      f"{raw['num_layers']} layers)\nsource      {raw['source']}", markup=False)
+        if raw.get("precision_report"):
+            fields = {k: v for k, v in raw["precision_report"].items() if k in PrecisionReport.__dataclass_fields__}
+            print_report(PrecisionReport(**fields), console)
+        return 0
     m = read_manifest(engine_dir)
     raw, args = m.raw, m.args
     quant = f"INT4 group {m.group_size}, {len(m.quantized)} modules" if m.group_size else "none"

@@ -70,11 +70,16 @@ def describe(engine) -> str:
     """A short name for an engine's precision: dtype plus INT4 group size if any."""
     from o3edge.engine.quant import int4_tag
 
+    if hasattr(engine, "describe"):  # another runtime (an exported model)
+        return engine.describe()
+
     return engine.info.dtype + int4_tag(engine.runner.model).replace(":int4g", " + int4 g")
 
 
 def greedy_tokens(engine, prompts: list[list[int]], num_new_tokens: int) -> list[list[int]]:
     """num_new_tokens greedy tokens for each prompt, all run as one batch (EOS ignored)."""
+    if hasattr(engine, "greedy"):  # another runtime decodes by itself
+        return engine.greedy(prompts, num_new_tokens)
     params = SamplingParams(max_new_tokens=num_new_tokens, ignore_eos=True)
     rids = [f"precision-{i}" for i in range(len(prompts))]
     out: dict[str, list[int]] = {rid: [] for rid in rids}
