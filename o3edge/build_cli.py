@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e.add_argument("src", help="checkpoint directory")
     e.add_argument("out", help="directory to write model.onnx, onnx.json and the tokenizer into")
     e.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    e.add_argument("--int4-group", type=int, choices=(0, 32, 64, 128, 256), default=0,
+                   help="FFN weights as INT4 MatMulNBits with this group size (0: keep them dense)")
     e.add_argument("--check", action="store_true",
                    help="compare ONNX Runtime's logits and greedy tokens with the torch engine's, store the table")
     e.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt for --check (default 32)")
@@ -150,8 +152,9 @@ def export(a: argparse.Namespace, console: Console) -> int:
     """o3edge export: the ONNX model, and with --check its precision-alignment table."""
     from o3edge.export.onnx_export import check_onnx, export_onnx
 
-    manifest = export_onnx(a.src, a.out, a.dtype)
-    console.print(f"wrote {os.path.join(a.out, 'model.onnx')} (opset {manifest['opset']}, {a.dtype}) "
+    manifest = export_onnx(a.src, a.out, a.dtype, a.int4_group)
+    int4 = f", {manifest['int4_modules']} FFN projections INT4 g{a.int4_group}" if a.int4_group else ""
+    console.print(f"wrote {os.path.join(a.out, 'model.onnx')} (opset {manifest['opset']}, {a.dtype}{int4}) "
                   f"in {manifest['export_seconds']:.1f} s", markup=False)
     if a.check:
         console.print(f"checking ONNX Runtime against the torch engine ({a.check_tokens} greedy tokens per "

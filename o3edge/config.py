@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from o3edge.errors import ConfigError
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+BACKENDS = ("torch", "onnxruntime")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class O3Config:
     min_batch_size: int = 1
     num_threads: int | None = None  # CPU threads for torch; None: torch's default (one per core)
     seed: int = 0
+    backend: str = "torch"  # "onnxruntime": serve an `o3edge export` directory through ONNX Runtime
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -52,6 +54,8 @@ class O3Config:
             raise ConfigError("batch_window_ms must be >= 0 and min_batch_size >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
 

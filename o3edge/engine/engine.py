@@ -10,7 +10,7 @@ import torch
 
 from o3edge.config import O3Config
 from o3edge.engine.block_manager import BlockManager
-from o3edge.engine.checkpoint import ModelArgs, fingerprint
+from o3edge.engine.checkpoint import ModelArgs, fingerprint, read_model_args
 from o3edge.engine.engine_dir import built_dtype
 from o3edge.engine.loader import load_model
 from o3edge.engine.quant import int4_tag
@@ -101,18 +101,30 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device, built_dtype(model_dir))
-        model, args = load_model(model_dir, device, dtype, config.int4_ffn, config.int4_group_size)
+        onnx = config.backend == "onnxruntime"
+        if onnx:  # an `o3edge export` directory, run by ONNX Runtime
+            from o3edge.export.ort_runner import OrtRunner, onnx_dtype, onnx_fingerprint
+
+            model, args, dtype, fp = None, read_model_args(model_dir), onnx_dtype(model_dir), onnx_fingerprint(model_dir)
+        else:
+            dtype = resolve_dtype(config.dtype, device, built_dtype(model_dir))
+            model, args = load_model(model_dir, device, dtype, config.int4_ffn, config.int4_group_size)
+            fp = fingerprint(model_dir) + int4_tag(model)  # INT4 made at load changes the logits: not the same model
         self.tokenizer = Tokenizer(model_dir)
         max_len = min(config.max_model_len or min(args.max_position_embeddings, 4096), args.max_position_embeddings)
         block_bytes = ModelRunner.block_bytes(args, config.kv_block_size, dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_mb * (1 << 20) // block_bytes)
-        self.runner = ModelRunner(model, args, device, dtype, num_blocks, config.kv_block_size, max_len, config.seed)
-        if device.type == "cuda" and config.cuda_graphs:
+        if onnx:
+            self.runner = OrtRunner(model_dir, device, config.num_threads, config.seed)
+        else:
+            self.runner = ModelRunner(model, args, device, dtype, num_blocks, config.kv_block_size, max_len,
+                                      config.seed)
+        if device.type == "cuda" and config.cuda_graphs and not onnx:
             self.runner.enable_static_decode(config.max_num_seqs, capture=True,
                                              max_prefill_tokens=config.max_num_batched_tokens)
-        fp = fingerprint(model_dir) + int4_tag(model)  # INT4 made at load changes the logits: not the same model
-        self.blocks = BlockManager(num_blocks, config.kv_block_size, f"{fp}:{dtype}", config.dynamic_kv_cache)
+        # the KV pool budgets ONNX Runtime's dense per-sequence KV too; it cannot share prefixes
+        self.blocks = BlockManager(num_blocks, config.kv_block_size, f"{fp}:{dtype}",
+                                   config.dynamic_kv_cache and not onnx)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler.set_window(config.batch_window_ms, config.min_batch_size)
         eos = args.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(self.tokenizer.eos_token)] if t is not None)

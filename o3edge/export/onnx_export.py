@@ -24,19 +24,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "config.json")
 
 
-def load_torch_engine(model_dir: str, dtype: str = "float32", max_model_len: int = 2048):
+def load_torch_engine(model_dir: str, dtype: str = "float32", max_model_len: int = 2048, int4_group: int = 0):
     """The torch engine on the CPU (the export's source and the alignment check's reference)."""
     from o3edge import O3Config, O3Model
 
     return O3Model.from_config(O3Config(model_path=model_dir, device="cpu", dtype=dtype, kv_cache_memory_mb=64,
-                                        max_model_len=max_model_len, cuda_graphs=False)).engine
+                                        max_model_len=max_model_len, cuda_graphs=False, int4_ffn=bool(int4_group),
+                                        int4_group_size=int4_group or 128)).engine
 
 
-def export_onnx(model_dir: str, out_dir: str, dtype: str = "float32") -> dict:
-    """Export model_dir's decoder to out_dir/model.onnx; returns the manifest written."""
+def export_onnx(model_dir: str, out_dir: str, dtype: str = "float32", int4_group: int = 0) -> dict:
+    """Export model_dir's decoder to out_dir/model.onnx (FFN weights as INT4 MatMulNBits with
+    int4_group); returns the manifest written."""
     t0 = time.perf_counter()
     engine = load_torch_engine(model_dir, dtype)
     runner, args = engine.runner, engine.info.args
+    int4_modules = 0
+    if int4_group:
+        from o3edge.export.onnx_int4 import swap_ffn_to_nbits
+
+        int4_modules = swap_ffn_to_nbits(runner.model, int4_group)
     decoder = OnnxDecoder(runner.model, runner.cos, runner.sin).eval()
     inputs, outputs = io_names(args.num_layers)
     tdtype = runner.dtype
@@ -58,6 +65,7 @@ def export_onnx(model_dir: str, out_dir: str, dtype: str = "float32") -> dict:
         if os.path.exists(src):
             shutil.copy(src, out_dir)
     manifest = {"format": "onnx", "source": os.path.abspath(model_dir), "dtype": dtype, "opset": OPSET,
+                "int4_group_size": int4_group, "int4_modules": int4_modules,
                 "inputs": inputs, "outputs": outputs, "num_layers": args.num_layers,
                 "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
                 "kv_layout": "[batch, kv_heads, sequence, head_dim], keys after RoPE",
@@ -69,8 +77,8 @@ def export_onnx(model_dir: str, out_dir: str, dtype: str = "float32") -> dict:
 
 
 def check_onnx(model_dir: str, onnx_dir: str, num_new_tokens: int = 32, providers: list[str] | None = None):
-    """The precision-alignment report of the ONNX export against the torch engine in the same dtype;
-    stored in onnx.json."""
+    """The precision-alignment report of the ONNX export against the torch engine in the same dtype
+    (and the same INT4 weights); stored in onnx.json."""
     from o3edge.engine.precision import alignment_report
     from o3edge.export.ort_engine import OrtDecoder
 
@@ -78,7 +86,8 @@ def check_onnx(model_dir: str, onnx_dir: str, num_new_tokens: int = 32, provider
     with open(path) as fh:
         manifest = json.load(fh)
     decoder = OrtDecoder(onnx_dir, providers)
-    report = alignment_report(load_torch_engine(model_dir, manifest["dtype"]), decoder, num_new_tokens=num_new_tokens)
+    reference = load_torch_engine(model_dir, manifest["dtype"], int4_group=manifest.get("int4_group_size", 0))
+    report = alignment_report(reference, decoder, num_new_tokens=num_new_tokens)
     manifest["precision_report"] = dict(report.to_dict(), provider=decoder.provider)
     with open(path, "w") as fh:
         json.dump(manifest, fh, indent=1)

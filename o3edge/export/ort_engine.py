@@ -33,7 +33,9 @@ class OrtDecoder:
         self.kv_shape = (m["num_kv_heads"], m["head_dim"])
 
     def describe(self) -> str:
-        return f"onnxruntime {self.manifest['dtype']} ({self.provider.removesuffix('ExecutionProvider')})"
+        g = self.manifest.get("int4_group_size")
+        kind = self.manifest["dtype"] + (f" + int4 g{g} MatMulNBits" if g else "")
+        return f"onnxruntime {kind} ({self.provider.removesuffix('ExecutionProvider')})"
 
     def forward(self, ids: list[int], start: int, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         """One call for one sequence: logits [T, V] of ids at positions start.., and the new KV."""
