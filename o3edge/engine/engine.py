@@ -193,6 +193,8 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.runner.release(seq)
         self.detok.pop(request_id, None)
+        if self.offloader is not None:
+            self.offloader.flush()  # its named blocks start on their way to the cold tier now, idle or not
         return True
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
