@@ -114,7 +114,8 @@ class LLMEngine:
         if device.type == "cuda" and config.cuda_graphs:
             self.runner.enable_static_decode(config.max_num_seqs, capture=True)
         fp = fingerprint(model_dir) + int4_tag(model)  # INT4 made at load changes the logits: not the same model
-        layout = f"{dtype}:{args.num_layers}x2x{config.kv_block_size}x{args.num_kv_heads}x{args.head_dim}"
+        kv_shape = f"{args.num_layers}x2x{config.kv_block_size}x{args.num_kv_heads}x{args.head_dim}"
+        layout = f"{device.type}:{dtype}:{kv_shape}"  # what one block's bytes mean
         identity = model_identity(model_dir, fp, layout, weight_files(model_dir))
         self.blocks = BlockManager(num_blocks, config.kv_block_size, identity, config.dynamic_kv_cache)
         self.offloader = self._cold_tier(config, identity, block_bytes) if config.dynamic_kv_cache else None

@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""KV cold tier benchmark: time to first token against prefix length, recompute vs hot hit vs cold hit.
+
+For each prefix length, a request is a random prefix of that many tokens plus 16 new tokens:
+  recompute  the prefix was never seen (a fresh random prefix each repetition)
+  hot        the prefix is in the hot prefix cache (device memory, or RAM on CPU)
+  cold       the prefix was offloaded to the shared-memory tier and dropped from the hot cache,
+             so its blocks are verified (CRC32) and copied back in
+TTFT is add_request -> first token out of engine.step() (on CUDA, step() returns after the token is
+on the host); the three cases are interleaved per repetition, and medians are reported (all values
+are in the JSON). "restore ms" is the cold case's verify-and-copy-in alone. The hot cache is emptied between the cold runs by forgetting its names
+(`drop_hot_cache`), which is what LRU eviction does once the offload has finished.
+
+  python tools/bench_cold_tier.py /tmp/smol-135m --device cpu --threads 2 --lengths 250,1000,2000
+  python tools/bench_cold_tier.py --shape llama-1b --device cuda --lengths 1024,4096,16384 --json OUT
+
+--decode-batch N adds the offload's cost to decoding: the median step time of N sequences decoding,
+alone and while --offload-blocks blocks per step are copied out to the tier (blocks of the pool's
+free list under fresh names, as if requests finished alongside).
+
+Prints a table and, with --json, writes every measurement with the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from o3edge import O3Config  # noqa: E402
+from o3edge.engine.block_manager import chain_hash  # noqa: E402
+from o3edge.engine.engine import LLMEngine  # noqa: E402
+from o3edge.engine.sequence import SamplingParams  # noqa: E402
+
+ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)
+SUFFIX = 16
+
+
+def ttft(engine: LLMEngine, ids: list[int]) -> float:
+    """Seconds from add_request to the first token, with the engine otherwise idle."""
+    rid = uuid.uuid4().hex
+    t0 = time.perf_counter()
+    engine.add_request(rid, ids, ONE)
+    while True:
+        outs, _ = engine.step()
+        if any(o.request_id == rid and o.token_ids for o in outs):
+            elapsed = time.perf_counter() - t0
+            break
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed
+
+
+def drop_hot_cache(engine: LLMEngine) -> None:
+    """Forget every free block's name: the next request finds its prefix only in the cold tier."""
+    blocks = engine.blocks
+    for block in blocks.blocks:
+        if block.ref_count == 0 and block.hash is not None:
+            blocks.cached.pop(block.hash, None)
+            block.hash, block.token_ids = None, ()
+
+
+def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab: int) -> dict:
+    """TTFTs of the three cases, interleaved per repetition so that a busy machine slows all three alike."""
+    rand = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    prefix = rand(length)
+    ttft(engine, rand(length + SUFFIX))  # warm-up at this shape
+    ttft(engine, prefix + rand(SUFFIX))
+    times = {"recompute": [], "hot": [], "cold": [], "restore": []}
+    cold_tokens = []
+    for _ in range(reps):
+        times["recompute"].append(ttft(engine, rand(length + SUFFIX)))
+        times["hot"].append(ttft(engine, prefix + rand(SUFFIX)))
+        engine.offloader.drain()
+        drop_hot_cache(engine)
+        before, restore_s = engine.blocks.num_cold_hit_tokens, engine.offloader.counts["cold_restore_seconds"]
+        times["cold"].append(ttft(engine, prefix + rand(SUFFIX)))
+        times["restore"].append(engine.offloader.counts["cold_restore_seconds"] - restore_s)
+        cold_tokens.append(engine.blocks.num_cold_hit_tokens - before)
+    ms = lambda x: round(x * 1000, 2)  # noqa: E731
+    row = {"prefix_tokens": length, "cold_tokens": min(cold_tokens)}
+    for case, xs in times.items():
+        row[f"{case}_ms"] = ms(statistics.median(xs))
+        row[f"{case}_min_ms"] = ms(min(xs))
+        row[f"{case}_all_ms"] = [ms(x) for x in xs]
+    row["cold_over_recompute"] = round(row["cold_ms"] / row["recompute_ms"], 3)
+    row["hot_over_recompute"] = round(row["hot_ms"] / row["recompute_ms"], 3)
+    row["restore_gb_per_s"] = round(row["cold_tokens"] / engine.blocks.block_size * engine.offloader.tier.payload_bytes
+                                    / statistics.median(times["restore"]) / 1e9, 2)
+    return row
+
+
+def decode_overhead(engine: LLMEngine, batch: int, offers: int, rng: random.Random, vocab: int,
+                    steps: int = 48) -> dict:
+    """Median decode step time of `batch` sequences, without and with `offers` block offloads per step."""
+    params = SamplingParams(max_new_tokens=4 * steps + 8, ignore_eos=True)
+    rids = [uuid.uuid4().hex for _ in range(batch)]
+    for rid in rids:
+        engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(64)], params)
+    while any(engine.seqs[r].num_output_tokens == 0 for r in rids):
+        engine.step()
+    sync = torch.cuda.synchronize if engine.info.device.startswith("cuda") else (lambda: None)
+
+    def timed(offer: bool) -> list[float]:
+        times = []
+        for _ in range(steps):
+            if offer:
+                free = list(engine.blocks.free)[-offers:]  # the most recently freed: not taken this step
+                for block_id in free:
+                    tokens = tuple(rng.randrange(3, vocab) for _ in range(engine.blocks.block_size))
+                    parent = rng.randbytes(16)
+                    engine.offloader.offer(block_id, chain_hash(parent, tokens), parent, tokens)
+            sync()
+            t0 = time.perf_counter()
+            engine.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    timed(False)
+    base, loaded = timed(False), timed(True)
+    engine.offloader.drain()
+    for rid in rids:
+        engine.abort(rid)
+    b, w = statistics.median(base) * 1000, statistics.median(loaded) * 1000
+    return {"batch": batch, "offload_blocks_per_step": offers, "step_ms": round(b, 3),
+            "step_with_offload_ms": round(w, 3), "overhead": round(w / b - 1, 4)}
+
+
+def machine(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", help="checkpoint or engine directory (or use --shape)")
+    ap.add_argument("--shape", help="make a random-weight checkpoint of this shape (tools/make_tiny_model.py)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--lengths", default="1000", help="comma-separated prefix lengths in tokens")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, help="CPU threads for torch")
+    ap.add_argument("--cold-tier-mb", type=int, default=0, help="default: room for the longest prefix twice")
+    ap.add_argument("--cold-tier-dir", default="/dev/shm")
+    ap.add_argument("--decode-batch", type=int, default=0, help="also measure the offload's cost to decoding")
+    ap.add_argument("--offload-blocks", type=int, default=8, help="blocks offloaded per decode step")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    lengths = [int(x) for x in a.lengths.split(",")]
+    model_dir = a.model
+    if model_dir is None:
+        from o3edge.tiny import make_checkpoint
+        from tools.make_tiny_model import SHAPES
+        model_dir = os.path.join(tempfile.mkdtemp(prefix="o3edge-bench-"), a.shape)
+        make_checkpoint(model_dir, seed=0, **SHAPES[a.shape])
+    longest = max(lengths) + SUFFIX + 1
+    probe = LLMEngine(O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, num_kv_blocks=2,
+                               max_model_len=longest + 1), model_dir)
+    block_mb = probe.info.kv_cache_bytes / 2 / 2**20
+    blocks_needed = -(-longest // probe.info.kv_block_size)
+    del probe
+    cold_mb = a.cold_tier_mb or int(block_mb * blocks_needed * 2) + 8
+    config = O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, max_model_len=longest + 1,
+                      num_kv_blocks=max(blocks_needed * 2 + 2, a.decode_batch * 12), max_num_batched_tokens=longest,
+                      max_num_seqs=max(32, a.decode_batch),
+                      cold_tier_mb=cold_mb, cold_tier_dir=a.cold_tier_dir, num_threads=a.threads)
+    engine = LLMEngine(config, model_dir)
+    assert engine.offloader is not None, "the cold tier did not start (see the warning above)"
+    rng, rows = random.Random(0), []
+    print(f"{'prefix':>7} {'recompute ms':>13} {'hot ms':>8} {'cold ms':>8} {'cold/recompute':>15} "
+          f"{'hot/recompute':>14} {'restore ms':>11}")
+    for length in lengths:
+        row = measure(engine, length, a.reps, rng, engine.info.args.vocab_size)
+        rows.append(row)
+        print(f"{length:>7} {row['recompute_ms']:>13.1f} {row['hot_ms']:>8.1f} {row['cold_ms']:>8.1f} "
+              f"{row['cold_over_recompute']:>15.3f} {row['hot_over_recompute']:>14.3f} {row['restore_ms']:>11.1f}",
+              flush=True)
+    decode = None
+    if a.decode_batch:
+        decode = decode_overhead(engine, a.decode_batch, a.offload_blocks, rng, engine.info.args.vocab_size)
+        print(f"decode, batch {decode['batch']}: {decode['step_ms']:.2f} ms/step alone, "
+              f"{decode['step_with_offload_ms']:.2f} ms with {decode['offload_blocks_per_step']} blocks offloaded "
+              f"per step ({decode['overhead']:+.1%})")
+    stats = engine.stats()
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+              "model": os.path.basename(os.path.normpath(model_dir)), "shape": a.shape, "device": engine.info.device,
+              "dtype": engine.info.dtype, "kv_block_size": engine.info.kv_block_size, "cold_tier_mb": cold_mb,
+              "machine": machine(torch.device(engine.info.device)), "rows": rows, "decode": decode,
+              "cold_tier": {k: v for k, v in stats.items() if k.startswith("cold_")}}
+    engine.close()
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
