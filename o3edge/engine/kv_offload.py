@@ -17,6 +17,7 @@ rest. The first block that fails ends the restore; the caller recomputes from th
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -183,6 +184,7 @@ class KVOffloader:
         self.running = True
         self.worker = threading.Thread(target=self._work, name="o3edge-kv-offload", daemon=True)
         self.worker.start()
+        atexit.register(self._at_exit)  # an in-process user who never closes still gets its blocks sealed
 
     # ---- out -----------------------------------------------------------------------------------
     def offer(self, block_id: int, h: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:
@@ -192,8 +194,9 @@ class KVOffloader:
         self.before_overwrite(block_id)  # an older job for the same hot block must finish first
         job = Job(block_id, Entry(h, parent, tuple(token_ids)))
         self.offered.append(job)
-        self.pending[block_id] = job
-        self.hashes.add(h)
+        with self.cond:  # the worker removes finished jobs: never let it remove this one by mistake
+            self.pending[block_id] = job
+            self.hashes.add(h)
 
     def flush(self) -> None:
         """Give this step's offers their slots and start their copies (engine thread, once per step)."""
@@ -215,7 +218,10 @@ class KVOffloader:
 
     def before_overwrite(self, block_id: int) -> None:
         """The engine is about to write into block_id: its outgoing copy must be made first."""
-        job = self.pending.pop(block_id, None)
+        if block_id not in self.pending:  # most blocks: no lock needed to know that
+            return
+        with self.cond:
+            job = self.pending.pop(block_id, None)
         if job is None:
             return
         if job.slot is None:
@@ -306,8 +312,13 @@ class KVOffloader:
                 "cold_offload_gb_per_s": rate(c["cold_offloaded_blocks"], c["cold_offload_seconds"]),
                 "cold_restore_gb_per_s": rate(c["cold_restored_blocks"], c["cold_restore_seconds"])}
 
+    def _at_exit(self) -> None:
+        if self.running:
+            self.drain(timeout=5.0)
+
     def close(self) -> None:
         """Finish the copies under way, stop the worker, release the arena (its segment stays)."""
+        atexit.unregister(self._at_exit)
         self.drain()
         with self.cond:
             self.running = False
