@@ -15,8 +15,9 @@ are in the JSON). "restore ms" is the cold case's verify-and-copy-in alone. The 
   python tools/bench_cold_tier.py --shape llama-1b --device cuda --lengths 1024,4096,16384 --json OUT
 
 --decode-batch N adds the offload's cost to decoding: the median step time of N sequences decoding,
-alone and while --offload-blocks blocks per step are copied out to the tier (blocks of the pool's
-free list under fresh names, as if requests finished alongside).
+alone and while --offload-blocks blocks are offered to the tier before the step (blocks of the
+pool's free list under fresh names, as if requests finished alongside), in alternating runs of 8
+steps; a step with offers also pays for starting their copies.
 
 Prints a table and, with --json, writes every measurement with the machine it ran on.
 """
@@ -104,7 +105,7 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
 def decode_overhead(engine: LLMEngine, batch: int, offers: int, rng: random.Random, vocab: int,
                     steps: int = 48) -> dict:
     """Median decode step time of `batch` sequences, without and with `offers` block offloads per step."""
-    params = SamplingParams(max_new_tokens=4 * steps + 8, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=2 * steps + 16, ignore_eos=True)
     rids = [uuid.uuid4().hex for _ in range(batch)]
     for rid in rids:
         engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(64)], params)
@@ -112,24 +113,25 @@ def decode_overhead(engine: LLMEngine, batch: int, offers: int, rng: random.Rand
         engine.step()
     sync = torch.cuda.synchronize if engine.info.device.startswith("cuda") else (lambda: None)
 
-    def timed(offer: bool) -> list[float]:
-        times = []
-        for _ in range(steps):
-            if offer:
-                free = list(engine.blocks.free)[-offers:]  # the most recently freed: not taken this step
-                for block_id in free:
-                    tokens = tuple(rng.randrange(3, vocab) for _ in range(engine.blocks.block_size))
-                    parent = rng.randbytes(16)
-                    engine.offloader.offer(block_id, chain_hash(parent, tokens), parent, tokens)
-            sync()
-            t0 = time.perf_counter()
-            engine.step()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return times
+    def offer() -> None:
+        free = list(engine.blocks.free)[-offers:]  # the most recently freed: not taken this step
+        for block_id in free:
+            tokens = tuple(rng.randrange(3, vocab) for _ in range(engine.blocks.block_size))
+            parent = rng.randbytes(16)
+            engine.offloader.offer(block_id, chain_hash(parent, tokens), parent, tokens)
 
-    timed(False)
-    base, loaded = timed(False), timed(True)
+    base, loaded = [], []
+    for i in range(2 * steps):  # runs of 8 steps of each kind, so that a busy machine slows both alike
+        with_offers = (i // 8) % 2 == 1
+        if not with_offers and i % 8 == 0:
+            engine.offloader.drain()  # no copy of the previous run still going
+        if with_offers:
+            offer()
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        (loaded if with_offers else base).append(time.perf_counter() - t0)
     engine.offloader.drain()
     for rid in rids:
         engine.abort(rid)
@@ -175,7 +177,7 @@ def main() -> None:
         from tools.make_tiny_model import SHAPES
         model_dir = os.path.join(tempfile.mkdtemp(prefix="o3edge-bench-"), a.shape)
         make_checkpoint(model_dir, seed=0, **SHAPES[a.shape])
-    longest = max(lengths) + SUFFIX + 1
+    longest = max(max(lengths) + SUFFIX + 1, 512 if a.decode_batch else 0)  # decoding runs ~250 steps
     probe = LLMEngine(O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, num_kv_blocks=2,
                                max_model_len=longest + 1), model_dir)
     block_mb = probe.info.kv_cache_bytes / 2 / 2**20

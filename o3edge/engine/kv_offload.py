@@ -177,7 +177,7 @@ class KVOffloader:
         self.hashes: set[bytes] = set()  # names of blocks offered and not yet sealed
         self.offered: list[Job] = []  # waiting for the next flush
         self.queue: deque[Job] = deque()  # flushed, waiting for the worker
-        self.verify_pool = ThreadPoolExecutor(max_workers=verify_threads or min(8, os.cpu_count() or 1),
+        self.verify_pool = ThreadPoolExecutor(max_workers=verify_threads or min(16, os.cpu_count() or 1),
                                               thread_name_prefix="o3edge-kv-verify")
         self.counts = {"cold_offloaded_blocks": 0, "cold_offload_seconds": 0.0, "cold_restored_blocks": 0,
                        "cold_restore_seconds": 0.0, "cold_offload_skipped": 0, "cold_swap_waits": 0}
