@@ -20,6 +20,9 @@ pool's free list under fresh names, as if requests finished alongside), in alter
 steps; a step with offers also pays for starting their copies.
 
 Prints a table and, with --json, writes every measurement with the machine it ran on.
+--plot PNG draws TTFT against prefix length, one panel per result file:
+
+  python tools/bench_cold_tier.py --plot docs/img/cold-tier.png --results docs/results/cold-tier-*.json
 """
 
 from __future__ import annotations
@@ -140,6 +143,27 @@ def decode_overhead(engine: LLMEngine, batch: int, offers: int, rng: random.Rand
             "step_with_offload_ms": round(w, 3), "overhead": round(w / b - 1, 4)}
 
 
+def plot(results: list[dict], path: str) -> None:
+    """TTFT against prefix length for recompute, hot and cold, one log-log panel per result."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.8), dpi=90, squeeze=False)
+    for ax, res in zip(axes[0], results):
+        x = [r["prefix_tokens"] for r in res["rows"]]
+        for case, style in (("recompute", "o-"), ("hot", "s--"), ("cold", "^-")):
+            ax.plot(x, [r[f"{case}_ms"] for r in res["rows"]], style, label=case)
+        where = res["machine"].get("gpu") or f"{res['machine'].get('cpu', 'CPU')}, {res['machine']['threads']} threads"
+        ax.set(xscale="log", yscale="log", xlabel="prefix tokens", ylabel="TTFT (ms)",
+               title=f"{res.get('shape') or res['model']} {res['dtype']}, {where}\n{res['date']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
 def machine(device: torch.device) -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
@@ -167,7 +191,15 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=0, help="also measure the offload's cost to decoding")
     ap.add_argument("--offload-blocks", type=int, default=8, help="blocks offloaded per decode step")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--plot", help="draw TTFT against prefix length into this PNG")
+    ap.add_argument("--results", nargs="+", help="with --plot: plot these result files instead of running")
     a = ap.parse_args()
+    if a.results:
+        results = []
+        for path in a.results:
+            with open(path) as fh:
+                results.append(json.load(fh))
+        return plot(results, a.plot)
     if a.threads:
         torch.set_num_threads(a.threads)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -216,6 +248,8 @@ def main() -> None:
         with open(a.json, "w") as fh:
             json.dump(result, fh, indent=1)
         print(f"wrote {a.json}")
+    if a.plot:
+        plot([result], a.plot)
 
 
 if __name__ == "__main__":
