@@ -10,8 +10,8 @@ about to overwrite. On CUDA the compute stream then waits for that copy on the d
 does not); on CPU that one block is copied at once.
 
 In (restore), synchronously for the step that needs it: each block is verified (header, tokens,
-parent, slab checksum; several blocks at once on a small thread pool, since zlib releases the GIL)
-and copied into its hot block as soon as it passes, so copies overlap the verification of the
+parent, slab checksum; groups of blocks at once on a thread pool, since zlib releases the GIL) and
+copied into its hot block as soon as its group passes, so copies overlap the verification of the
 rest. The first block that fails ends the restore; the caller recomputes from there.
 """
 
@@ -33,6 +33,7 @@ from o3edge.engine.cold_tier import ColdTier, Entry
 log = logging.getLogger(__name__)
 
 QUEUED, COPYING, DONE = 0, 1, 2
+VERIFY_GROUP = 4  # blocks one pool task verifies: fewer tasks, and copies still start early
 
 
 class Job:
@@ -291,17 +292,28 @@ class KVOffloader:
         """Copy cold blocks (hot block id, hash, parent, tokens) in; returns how many leading ones made it."""
         t0, slots = time.perf_counter(), []
         self.copier.begin_load(len(items))
-        checks = self.verify_pool.map(lambda it: self.tier.verify(it[1], it[2], it[3]), items)
-        for (block_id, *_), slot in zip(items, checks):
-            if slot is None:
+        groups = [items[i:i + VERIFY_GROUP] for i in range(0, len(items), VERIFY_GROUP)]
+        for group, checks in zip(groups, self.verify_pool.map(self._verify_group, groups)):
+            for (block_id, *_), slot in zip(group, checks):
+                self.tier.pin(slot)
+                self.copier.load(block_id, slot)
+                slots.append(slot)
+            if len(checks) < len(group):
                 break
-            self.tier.pin(slot)
-            self.copier.load(block_id, slot)
-            slots.append(slot)
         self.copier.loaded(slots)
         self.counts["cold_restored_blocks"] += len(slots)
         self.counts["cold_restore_seconds"] += time.perf_counter() - t0
         return len(slots)
+
+    def _verify_group(self, group: list) -> list[int]:
+        """Slots of the group's leading blocks that pass their checks (a pool thread)."""
+        slots = []
+        for _, h, parent, tokens in group:
+            slot = self.tier.verify(h, parent, tokens)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
 
     # ---- the rest ------------------------------------------------------------------------------
     def stats(self) -> dict:
