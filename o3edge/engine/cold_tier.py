@@ -99,7 +99,11 @@ class ColdTier:
         """Lock the first free segment of this identity; (path, fd, whether it was there already)."""
         for n in range(MAX_SEGMENTS):
             path = os.path.join(directory, f"{PREFIX}{self.identity.hex()}-{n}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            if not _private(fd):  # planted by someone else in the shared directory: never read it
+                log.warning("cold tier: ignoring %s (not ours alone: owner or mode)", path)
+                os.close(fd)
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # another live daemon of this model holds it
@@ -320,6 +324,12 @@ def _header_crc(header: bytes) -> int:
     return zlib.crc32(header[SLOT.size:], zlib.crc32(header[24:SLOT.size], zlib.crc32(header[:10])))
 
 
+def _private(fd: int) -> bool:
+    """The file is ours and nobody else may write it (/dev/shm is shared by every user)."""
+    st = os.fstat(fd)
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -343,10 +353,12 @@ def remove_unused(directory: str, keep: str | None = None, identity: bytes | Non
                 f"{PREFIX}{identity.hex()}-")):
             continue
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                continue  # another user's: not ours to remove
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.unlink(path)
             removed.append(path)

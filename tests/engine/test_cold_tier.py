@@ -212,3 +212,19 @@ def test_the_lock_is_the_kernels_so_a_killed_holder_frees_it(shm):
     t.close()
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # closing (or dying) released it
     os.close(fd)
+
+
+@pytest.mark.parametrize("planted", ["other owner", "group writable"])
+def test_a_segment_planted_by_someone_else_is_never_read(shm, planted):
+    mine = tier(shm)
+    e = block(0)
+    store(mine, e, 1)
+    mine.close()
+    if planted == "other owner":
+        os.chown(mine.path, 65534, 65534)
+    else:
+        os.chmod(mine.path, 0o666)
+    again = tier(shm)
+    assert again.path.endswith("-1") and e.hash not in again  # a fresh segment of its own
+    assert remove_unused(shm, keep=again.path) == ([] if planted == "other owner" else [mine.path])
+    again.close()
