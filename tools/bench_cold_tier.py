@@ -28,6 +28,7 @@ Prints a table and, with --json, writes every measurement with the machine it ra
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -210,11 +211,12 @@ def main() -> None:
         model_dir = os.path.join(tempfile.mkdtemp(prefix="o3edge-bench-"), a.shape)
         make_checkpoint(model_dir, seed=0, **SHAPES[a.shape])
     longest = max(max(lengths) + SUFFIX + 1, 512 if a.decode_batch else 0)  # decoding runs ~250 steps
-    probe = LLMEngine(O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, num_kv_blocks=2,
+    probe = LLMEngine(O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, num_kv_blocks=2, cuda_graphs=False,
                                max_model_len=longest + 1), model_dir)
     block_mb = probe.info.kv_cache_bytes / 2 / 2**20
     blocks_needed = -(-longest // probe.info.kv_block_size)
     del probe
+    gc.collect()
     cold_mb = a.cold_tier_mb or int(block_mb * blocks_needed * 2) + 8
     config = O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, max_model_len=longest + 1,
                       num_kv_blocks=max(blocks_needed * 2 + 2, a.decode_batch * 12), max_num_batched_tokens=longest,
