@@ -155,9 +155,12 @@ def plot(results: list[dict], path: str) -> None:
         x = [r["prefix_tokens"] for r in res["rows"]]
         for case, style in (("recompute", "o-"), ("hot", "s--"), ("cold", "^-")):
             ax.plot(x, [r[f"{case}_ms"] for r in res["rows"]], style, label=case)
-        where = res["machine"].get("gpu") or f"{res['machine'].get('cpu', 'CPU')}, {res['machine']['threads']} threads"
+        n = res["machine"]["threads"]
+        where = res["machine"].get("gpu") or f"{res['machine'].get('cpu', 'CPU')}, {n} thread{'s' * (n != 1)}"
         ax.set(xscale="log", yscale="log", xlabel="prefix tokens", ylabel="TTFT (ms)",
                title=f"{res.get('shape') or res['model']} {res['dtype']}, {where}\n{res['date']}")
+        ax.set_xticks(x, [str(v) for v in x], minor=False)
+        ax.set_xticks([], minor=True)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
