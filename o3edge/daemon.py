@@ -89,6 +89,7 @@ class Daemon:
         config: O3Config = self.settings.engine
         engine = LLMEngine(config, resolve_model_path(config.model_path))
         engine.scheduler.set_limits(*scheduler_limits(self.settings))
+        tidy_cold_tier(config.cold_tier_dir, engine.offloader.tier.path if engine.offloader else None)
         return engine
 
     def apply_limits(self, settings: Settings) -> None:
@@ -207,11 +208,21 @@ def with_test_fault(on_loop: Callable[[], None], spec: str | None) -> Callable[[
     return stalling_on_loop
 
 
+def tidy_cold_tier(directory: str, keep: str | None) -> None:
+    """Remove the cold-tier segments no running process holds, except ours: another model's (after a
+    model change), a daemon that is gone, or all of them when the tier is off (`cold_tier_mb = 0`)."""
+    from o3edge.engine.cold_tier import remove_unused
+
+    removed = remove_unused(directory, keep)
+    if removed:
+        log.info("removed unused KV cold-tier segments: %s", ", ".join(removed))
+
+
 def drop_cold_tier(directory: str) -> None:
     """--drop-cold-tier: remove every o3edge segment in the cold tier's directory that no daemon holds."""
     from o3edge.engine.cold_tier import remove_unused  # plain Python: no torch at start-up
 
-    removed = remove_unused(directory) if os.path.isdir(directory) else []
+    removed = remove_unused(directory)
     log.info("dropped the KV cold tier: %s", ", ".join(removed) or "nothing to remove")
 
 

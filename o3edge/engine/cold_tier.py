@@ -17,19 +17,21 @@ lets a later format switch.
 
 Plain Python (mmap, struct, zlib), no torch: the block manager asks it for hits, the offloader in
 kv_offload.py moves the bytes. An exclusive flock on the segment keeps a second daemon of the same
-model off it (that one takes the next free <n>); unlocked segments of other models or left over
-are removed at start-up. Slots are reserved only on the engine thread; the copier thread commits.
+model off it (that one takes the next free <n>). A segment is used only if it is this user's and
+nobody else may write it: a block planted in the shared /dev/shm would pass its checksums. The
+daemon removes segments no live process holds (`remove_unused`); an engine alone never does.
+Slots are reserved only on the engine thread; the copier thread commits.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import glob
 import hashlib
 import logging
 import mmap
 import os
+import re
 import struct
 import threading
 import zlib
@@ -50,6 +52,7 @@ SLOT = struct.Struct("<8sHHIQ16s16s16sIIQ")  # see _header
 SLOT_MAGIC = b"O3KVSLOT"
 EMPTY, WRITING, VALID = 0, 1, 2
 _STATE_AT, _STAMP_AT, _CRC_AT = 10, 16, 12
+_SEGMENT = re.compile(PREFIX + r"[0-9a-f]{32}-[0-9]+")
 
 
 @dataclass
@@ -342,15 +345,15 @@ def _unlink(path: str) -> None:
 
 
 def segments(directory: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(directory, PREFIX + "*-*")))
+    """The cold-tier segments in directory (o3edge-<32 hex digits>-<n>)."""
+    return sorted(os.path.join(directory, name) for name in os.listdir(directory) if _SEGMENT.fullmatch(name))
 
 
-def remove_unused(directory: str, keep: str | None = None, identity: bytes | None = None) -> list[str]:
-    """Remove o3edge segments no live daemon holds (all of them, or only one identity's); keep `keep`."""
+def remove_unused(directory: str, keep: str | None = None) -> list[str]:
+    """Remove this user's o3edge segments in directory that no live process holds, except `keep`."""
     removed = []
-    for path in segments(directory):
-        if path == keep or (identity is not None and not os.path.basename(path).startswith(
-                f"{PREFIX}{identity.hex()}-")):
+    for path in segments(directory) if os.path.isdir(directory) else []:
+        if path == keep:
             continue
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -362,7 +365,7 @@ def remove_unused(directory: str, keep: str | None = None, identity: bytes | Non
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.unlink(path)
             removed.append(path)
-        except OSError:  # held by a live daemon, or not ours to remove
+        except OSError:  # held by a live process
             pass
         finally:
             os.close(fd)
@@ -371,15 +374,8 @@ def remove_unused(directory: str, keep: str | None = None, identity: bytes | Non
 
 def open_cold_tier(directory: str, identity: bytes, size_mb: int, block_size: int,
                    payload_bytes: int) -> ColdTier | None:
-    """The tier, or None with one warning when it cannot run here (the engine serves on without it).
-
-    Size 0 turns the tier off and removes this model's leftover segments; otherwise segments that no
-    live daemon holds, other than the one re-attached, are removed (another model's, stale ones).
-    """
+    """The tier (None when size_mb is 0), or None with one warning when it cannot run here."""
     if size_mb <= 0:
-        removed = remove_unused(directory, identity=identity) if os.path.isdir(directory) else []
-        if removed:
-            log.info("cold tier off: removed %s", ", ".join(removed))
         return None
     try:
         tier = ColdTier(directory, identity, size_mb << 20, block_size, payload_bytes)
@@ -387,9 +383,6 @@ def open_cold_tier(directory: str, identity: bytes, size_mb: int, block_size: in
         log.warning("cold tier off: cannot use %s for %d MiB (%s); serving without it", directory, size_mb,
                     exc.strerror or exc)
         return None
-    removed = remove_unused(directory, keep=tier.path)
-    if removed:
-        log.info("cold tier: removed unused segments %s", ", ".join(removed))
     log.info("cold tier: %s, %d slots of %d KiB (%s)", tier.path, tier.num_slots, tier.slot_bytes >> 10,
              f"re-attached, {tier.num_blocks} blocks" if tier.attached else "new")
     return tier

@@ -164,15 +164,17 @@ def test_a_second_daemon_of_the_same_model_gets_its_own_segment(shm):
     assert remove_unused(shm) == sorted([held, os.path.join(shm, f"o3edge-{ident(1).hex()}-1")])
 
 
-def test_start_removes_stale_segments_and_off_leaves_nothing(shm, caplog):
+def test_unused_segments_are_removed_and_off_creates_nothing(shm):
     stale = tier(shm, identity=ident(3))
     store(stale, block(0), 1)
     stale.close()
     on = open_cold_tier(shm, ident(4), 1, BS, PAYLOAD)
-    assert on is not None and os.listdir(shm) == [os.path.basename(on.path)]  # another model's: removed
+    assert sorted(os.listdir(shm)) == sorted([os.path.basename(stale.path), os.path.basename(on.path)])
+    assert remove_unused(shm, keep=on.path) == [stale.path]  # another model's, no longer held
+    assert remove_unused(shm) == []  # the live one is held
     on.close()
     assert open_cold_tier(shm, ident(4), 0, BS, PAYLOAD) is None
-    assert os.listdir(shm) == []  # off: this model's leftover is removed, nothing is created
+    assert remove_unused(shm) == [on.path] and os.listdir(shm) == []
 
 
 @pytest.mark.parametrize("where", ["absent", "sysfs"])

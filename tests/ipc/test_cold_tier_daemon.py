@@ -97,3 +97,16 @@ def test_unusable_shared_memory_turns_the_tier_off_and_the_daemon_serves(tmp_pat
     finally:
         d.stop()
     assert d.log().count("cold tier off") == 1
+
+
+def test_a_daemon_with_the_tier_off_removes_what_is_left_and_creates_nothing(tmp_path, tiny_dir, shm):
+    from o3edge.engine.cold_tier import ColdTier
+    left = ColdTier(shm, bytes(16), 1 << 20, 32, 4096)  # a segment from an earlier configuration
+    left.close()
+    d = cold_daemon(tmp_path, tiny_dir, shm, size_mb=0).start()
+    try:
+        d.wait_ready()
+        assert stats(d)["cold_tier"] == "off"
+    finally:
+        d.stop()
+    assert os.listdir(shm) == [] and "removed unused KV cold-tier segments" in d.log()
