@@ -146,6 +146,14 @@ class LLMEngine:
         self.blocks.on_reuse = offloader.before_overwrite
         return offloader
 
+    def _restore(self, seq: Sequence) -> int:
+        """Copy seq's cold blocks in; how many arrived (a failure means they are all recomputed)."""
+        try:
+            return self.offloader.restore(seq.cold_pending)
+        except Exception:
+            log.exception("cold tier: restoring %d blocks failed; they are recomputed", len(seq.cold_pending))
+            return 0
+
     def close(self) -> None:
         """Let the cold tier's copies finish and release it (its segment stays for the next start)."""
         if self.offloader is not None:
@@ -226,7 +234,7 @@ class LLMEngine:
         t0 = time.monotonic_ns()
         for seq, _ in batch:
             if seq.cold_pending:
-                self.blocks.restored(seq, self.offloader.restore(seq.cold_pending))
+                self.blocks.restored(seq, self._restore(seq))
         tokens = self.runner.run(batch)
         report = StepReport(t0, time.monotonic_ns())
         now = time.monotonic()

@@ -58,10 +58,14 @@ class HostCopier:
         self.pool = kv_cache.view(torch.uint8).numpy().reshape(L, 2, S // block_size, chunk)  # shares memory
         self.arena = np.frombuffer(tier.mm, dtype=np.uint8)
         self.tier, self.shape = tier, (L, 2, chunk)
+        self.slabs: list[np.ndarray | None] = [None] * tier.num_slots
 
     def slab(self, slot: int) -> np.ndarray:
-        off = self.tier.payload_offset(slot)
-        return self.arena[off:off + self.tier.payload_bytes].reshape(self.shape)
+        view = self.slabs[slot]
+        if view is None:
+            off = self.tier.payload_offset(slot)
+            view = self.slabs[slot] = self.arena[off:off + self.tier.payload_bytes].reshape(self.shape)
+        return view
 
     def start(self, jobs: list[Job]) -> None:
         """Nothing to start: the worker copies."""
@@ -83,7 +87,7 @@ class HostCopier:
             self.tier.unpin(slot)
 
     def close(self) -> None:
-        self.arena = self.pool = None
+        self.arena = self.pool = self.slabs = None
 
 
 class CudaCopier:
@@ -97,11 +101,15 @@ class CudaCopier:
         self.arena = torch.frombuffer(tier.mm, dtype=torch.uint8)
         self.registered = _host_register(self.arena)
         self.stream = torch.cuda.Stream(self.device)
+        self.slabs: list[torch.Tensor | None] = [None] * tier.num_slots
         self.restores: deque[tuple[torch.cuda.Event, list[int]]] = deque()
 
     def slab(self, slot: int) -> torch.Tensor:
-        off = self.tier.payload_offset(slot)
-        return self.arena[off:off + self.tier.payload_bytes].view(self.dtype).view(self.shape)
+        view = self.slabs[slot]
+        if view is None:
+            off = self.tier.payload_offset(slot)
+            view = self.slabs[slot] = self.arena[off:off + self.tier.payload_bytes].view(self.dtype).view(self.shape)
+        return view
 
     def start(self, jobs: list[Job]) -> None:
         """Queue the gather and the device-to-host copies behind everything the step queued so far."""
@@ -155,7 +163,7 @@ class CudaCopier:
         torch.cuda.synchronize(self.device)
         if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
-        self.arena = None
+        self.arena = self.slabs = None
 
 
 def _host_register(arena: torch.Tensor) -> bool:
@@ -211,11 +219,19 @@ class KVOffloader:
                 self._finished(job, ok=False)
             else:
                 started.append(job)
-        if started:
+        if not started:
+            return
+        try:
             self.copier.start(started)
-            with self.cond:
-                self.queue.extend(started)
-                self.cond.notify()
+        except Exception:  # a copy that cannot start costs a future hit, never this step
+            log.exception("cold tier: starting %d offloads failed; they are skipped", len(started))
+            for job in started:
+                self.tier.abandon(job.slot)
+                self._finished(job, ok=False)
+            return
+        with self.cond:
+            self.queue.extend(started)
+            self.cond.notify()
 
     def before_overwrite(self, block_id: int) -> None:
         """The engine is about to write into block_id: its outgoing copy must be made first."""
