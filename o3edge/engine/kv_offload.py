@@ -46,7 +46,7 @@ class Job:
         self.slot: int | None = None
         self.state = QUEUED
         self.event = None  # CUDA: the copy-done event
-        self.staged = None  # CUDA: the gathered blocks, alive until the copy is done
+        self.staged = None  # CUDA: [the batch's gathered blocks], alive until the copy is done
 
 
 class HostCopier:
@@ -122,12 +122,13 @@ class CudaCopier:
                 self.slab(job.slot).copy_(staged[i], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
+        held = [staged]  # shared by the batch: the first job found done frees it for all
         for job in jobs:
-            job.event, job.staged = event, staged
+            job.event, job.staged = event, held
 
     def copy_out(self, job: Job) -> None:
         job.event.synchronize()  # on the worker thread; releases the GIL
-        job.staged = None
+        job.staged.clear()  # the batch's gathered blocks are copied: free them now
 
     def order_before_overwrite(self, job: Job) -> bool:
         torch.cuda.current_stream(self.device).wait_event(job.event)  # the device waits, not the host

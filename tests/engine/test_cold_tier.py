@@ -82,7 +82,8 @@ def test_restart_reattaches_and_rebuilds_the_index_in_lru_order(shm):
 def test_full_arena_evicts_lru_and_skips_pinned_slots(shm):
     t = tier(shm, slots=2)
     a, b, c = block(0), block(1), block(2)
-    sa, sb = store(t, a, 1), store(t, b, 2)
+    sa = store(t, a, 1)
+    store(t, b, 2)
     assert t.lookup(a.hash, a.parent, a.token_ids)  # a is used again: b is now the oldest
     store(t, c, 3)
     assert a.hash in t and b.hash not in t and c.hash in t
