@@ -1,10 +1,11 @@
 """The KV cache's cold tier: full KV blocks in a POSIX shared-memory arena that outlives the daemon.
 
-One segment per model identity, `/dev/shm/o3edge-<identity>-<n>`: a superblock, then fixed slots.
-Each slot is a header page and one contiguous slab holding the block across all layers, in the
-hot pool's element layout [layers, K/V, block_size, kv_heads, head_dim]. The header names the
-block (chain hash, parent hash, token ids), its layout version and model identity, and carries a
-CRC32 of the slab and of itself. A slot is written WRITING first, then the slab, then the header,
+One segment per model identity, `/dev/shm/o3edge-<identity>-<n>`: a superblock page, a table of
+slot headers, then the slabs back to back from a page boundary (so a run of consecutive slots is
+one DMA copy). A slot's slab holds one block across all layers, in the hot pool's element layout
+[layers, K/V, block_size, kv_heads, head_dim]. Its header names the block (chain hash, parent
+hash, token ids), its layout version and model identity, and carries a CRC32 of the slab and of
+itself. A slot is written WRITING first, then the slab, then the header,
 then VALID: a crash mid-copy leaves a slot that a restarted daemon drops. A restart re-attaches,
 rebuilds the index from the headers (the headers are the index: there is no manifest to get out
 of step with them), and checks every slab's checksum, tokens and parent when it is loaded; any
@@ -73,13 +74,14 @@ class ColdTier:
 
     def __init__(self, directory: str, identity: bytes, size_bytes: int, block_size: int, payload_bytes: int):
         self.identity, self.block_size, self.payload_bytes = identity, block_size, payload_bytes
-        self.header_bytes = _round_up(SLOT.size + 4 * block_size, PAGE)
-        self.slot_bytes = self.header_bytes + _round_up(payload_bytes, PAGE)
-        self.num_slots = (size_bytes - PAGE) // self.slot_bytes
+        self.header_bytes = _header_bytes(block_size)
+        self.slot_bytes = self.header_bytes + payload_bytes
+        self.num_slots = (size_bytes - 2 * PAGE) // self.slot_bytes
         if self.num_slots < 1:
             raise ColdTierUnavailable(errno.EINVAL, f"cold tier of {size_bytes >> 20} MiB holds no block of "
                                                     f"{self.slot_bytes >> 10} KiB")
-        self.size = PAGE + self.num_slots * self.slot_bytes
+        self.slab_base = _round_up(PAGE + self.num_slots * self.header_bytes, PAGE)
+        self.size = self.slab_base + self.num_slots * payload_bytes
         self.lock = threading.Lock()
         self.path, self.fd, self.attached = self._open(directory)
         try:
@@ -171,11 +173,17 @@ class ColdTier:
 
     # ---- headers -----------------------------------------------------------------------------
     def _offset(self, slot: int) -> int:
-        return PAGE + slot * self.slot_bytes
+        """Where slot's header starts in the segment."""
+        return PAGE + slot * self.header_bytes
 
     def payload_offset(self, slot: int) -> int:
-        """Where slot's slab starts in the segment (page aligned)."""
-        return self._offset(slot) + self.header_bytes
+        """Where slot's slab starts: slabs follow each other, so consecutive slots are one copy."""
+        return self.slab_base + slot * self.payload_bytes
+
+    @staticmethod
+    def size_for(num_slots: int, block_size: int, payload_bytes: int) -> int:
+        """The size_bytes that gives exactly num_slots slots."""
+        return 2 * PAGE + num_slots * (_header_bytes(block_size) + payload_bytes)
 
     def payload(self, slot: int) -> memoryview:
         off = self.payload_offset(slot)
@@ -331,6 +339,10 @@ def _private(fd: int) -> bool:
     """The file is ours and nobody else may write it (/dev/shm is shared by every user)."""
     st = os.fstat(fd)
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _header_bytes(block_size: int) -> int:
+    return _round_up(SLOT.size + 4 * block_size, 64)  # a whole number of cache lines
 
 
 def _round_up(n: int, to: int) -> int:

@@ -11,8 +11,8 @@ does not); on CPU that one block is copied at once.
 
 In (restore), synchronously for the step that needs it: each block is verified (header, tokens,
 parent, slab checksum; groups of blocks at once on a thread pool, since zlib releases the GIL) and
-copied into its hot block as soon as its group passes, so copies overlap the verification of the
-rest. The first block that fails ends the restore; the caller recomputes from there.
+copied into its hot block as soon as its group passes (a run of consecutive slots in one copy), so
+copies overlap the verification of the rest. The first block that fails ends the restore; the caller recomputes from there.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from o3edge.engine.cold_tier import ColdTier, Entry
 log = logging.getLogger(__name__)
 
 QUEUED, COPYING, DONE = 0, 1, 2
-VERIFY_GROUP = 4  # blocks one pool task verifies: fewer tasks, and copies still start early
+VERIFY_GROUP = 4  # fewest blocks one pool task verifies (more for long prefixes: one group a thread)
 
 
 class Job:
@@ -79,8 +79,9 @@ class HostCopier:
     def begin_load(self, n: int) -> None:
         """Nothing to prepare: each block is copied as soon as it is verified."""
 
-    def load(self, block_id: int, slot: int) -> None:
-        np.copyto(self.pool[:, :, block_id], self.slab(slot))
+    def load(self, block_ids: list[int], slots: list[int]) -> None:
+        for block_id, slot in zip(block_ids, slots):
+            np.copyto(self.pool[:, :, block_id], self.slab(slot))
 
     def loaded(self, slots: list[int]) -> None:
         for slot in slots:
@@ -111,15 +112,21 @@ class CudaCopier:
             view = self.slabs[slot] = self.arena[off:off + self.tier.payload_bytes].view(self.dtype).view(self.shape)
         return view
 
+    def slabs_from(self, slot: int, n: int) -> torch.Tensor:
+        """The slabs of slots slot..slot+n-1, one contiguous [n, L, 2, bs, H, D] view."""
+        off = self.tier.payload_offset(slot)
+        return self.arena[off:off + n * self.tier.payload_bytes].view(self.dtype).view(n, *self.shape)
+
     def start(self, jobs: list[Job]) -> None:
         """Queue the gather and the device-to-host copies behind everything the step queued so far."""
+        jobs = sorted(jobs, key=lambda j: j.slot)  # runs of consecutive slots go out in one copy each
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(compute)
             ids = torch.tensor([j.block_id for j in jobs]).pin_memory().to(self.device, non_blocking=True)
             staged = self.blocks.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, L, 2, bs, H, D]
-            for i, job in enumerate(jobs):
-                self.slab(job.slot).copy_(staged[i], non_blocking=True)
+            for i, n in _runs([j.slot for j in jobs]):
+                self.slabs_from(jobs[i].slot, n).copy_(staged[i:i + n], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         held = [staged]  # shared by the batch: the first job found done frees it for all
@@ -138,10 +145,12 @@ class CudaCopier:
         self._staged = torch.empty((n, *self.shape), dtype=self.dtype, device=self.device)
         self._ids: list[int] = []
 
-    def load(self, block_id: int, slot: int) -> None:
-        """Start one verified slab's host-to-device copy on the compute stream (the host goes on)."""
-        self._staged[len(self._ids)].copy_(self.slab(slot), non_blocking=True)
-        self._ids.append(block_id)
+    def load(self, block_ids: list[int], slots: list[int]) -> None:
+        """Start verified slabs' host-to-device copies on the compute stream (the host goes on)."""
+        base = len(self._ids)
+        for i, n in _runs(slots):
+            self._staged[base + i:base + i + n].copy_(self.slabs_from(slots[i], n), non_blocking=True)
+        self._ids += block_ids
 
     def loaded(self, slots: list[int]) -> None:
         """Scatter the copied slabs into their blocks; their slots stay pinned until the copies are done."""
@@ -167,6 +176,16 @@ class CudaCopier:
         self.arena = self.slabs = None
 
 
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """(start index, length) of each run of consecutive slot numbers, in order."""
+    runs, start = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, i - start))
+            start = i
+    return runs
+
+
 def _host_register(arena: torch.Tensor) -> bool:
     """Pin the arena for the DMA engines; pageable copies stall the host and run at a third of the speed."""
     err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
@@ -187,8 +206,8 @@ class KVOffloader:
         self.hashes: set[bytes] = set()  # names of blocks offered and not yet sealed
         self.offered: list[Job] = []  # waiting for the next flush
         self.queue: deque[Job] = deque()  # flushed, waiting for the worker
-        self.verify_pool = ThreadPoolExecutor(max_workers=verify_threads or min(16, os.cpu_count() or 1),
-                                              thread_name_prefix="o3edge-kv-verify")
+        self.verify_threads = verify_threads or min(16, os.cpu_count() or 1)
+        self.verify_pool = ThreadPoolExecutor(max_workers=self.verify_threads, thread_name_prefix="o3edge-kv-verify")
         self.counts = {"cold_offloaded_blocks": 0, "cold_offload_seconds": 0.0, "cold_restored_blocks": 0,
                        "cold_restore_seconds": 0.0, "cold_offload_skipped": 0, "cold_swap_waits": 0}
         self.running = True
@@ -309,12 +328,13 @@ class KVOffloader:
         """Copy cold blocks (hot block id, hash, parent, tokens) in; returns how many leading ones made it."""
         t0, slots = time.perf_counter(), []
         self.copier.begin_load(len(items))
-        groups = [items[i:i + VERIFY_GROUP] for i in range(0, len(items), VERIFY_GROUP)]
+        size = max(VERIFY_GROUP, -(-len(items) // self.verify_threads))
+        groups = [items[i:i + size] for i in range(0, len(items), size)]
         for group, checks in zip(groups, self.verify_pool.map(self._verify_group, groups)):
-            for (block_id, *_), slot in zip(group, checks):
+            for slot in checks:
                 self.tier.pin(slot)
-                self.copier.load(block_id, slot)
-                slots.append(slot)
+            self.copier.load([block_id for block_id, *_ in group[:len(checks)]], checks)
+            slots += checks
             if len(checks) < len(group):
                 break
         self.copier.loaded(slots)

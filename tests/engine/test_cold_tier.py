@@ -33,8 +33,7 @@ def ident(n=0) -> bytes:
 
 
 def tier(shm, slots=4, identity=None) -> ColdTier:
-    size = ct.PAGE + slots * (ct.PAGE + 4 * 4096)
-    return ColdTier(shm, identity or ident(), size, BS, PAYLOAD)
+    return ColdTier(shm, identity or ident(), ColdTier.size_for(slots, BS, PAYLOAD), BS, PAYLOAD)
 
 
 def block(i: int, parent: bytes = ROOT) -> Entry:
@@ -58,7 +57,8 @@ def test_round_trip_and_lookup_checks_parent_and_tokens(shm):
     assert not t.lookup(e.hash, e.parent, (0,) * BS)
     assert t.verify(e.hash, e.parent, e.token_ids) == slot
     assert bytes(t.payload(slot)) == bytes([7]) * PAYLOAD
-    assert t.payload_offset(slot) % ct.PAGE == 0
+    assert t.num_slots == 4 and t.payload_offset(0) % ct.PAGE == 0
+    assert t.payload_offset(3) - t.payload_offset(0) == 3 * PAYLOAD  # slabs back to back: one copy for a run
     assert os.path.basename(t.path) == f"o3edge-{ident().hex()}-0"
     t.close()
 
@@ -123,7 +123,7 @@ def test_header_tampering_and_other_layouts_are_refused(shm):
     t = tier(shm)
     entries = [block(i) for i in range(3)]
     slots = [store(t, e, i) for i, e in enumerate(entries)]
-    off = lambda s: ct.PAGE + s * t.slot_bytes  # noqa: E731
+    off = t._offset
     t.mm[off(slots[0]) + ct.SLOT.size] ^= 1  # a stored token id
     t.mm[off(slots[1]) + 8] = ct.LAYOUT_VERSION + 1  # another layout version
     t.mm[off(slots[2]) + 24] ^= 1  # another model's identity
@@ -149,7 +149,7 @@ def test_another_model_never_opens_this_models_segment(shm):
 
 def test_a_second_daemon_of_the_same_model_gets_its_own_segment(shm):
     code = (f"import sys, time; sys.path.insert(0, {os.getcwd()!r}); from o3edge.engine.cold_tier import ColdTier;"
-            f"t = ColdTier({shm!r}, bytes([1]) * 16, {ct.PAGE + 4 * (ct.PAGE + 4 * 4096)}, {BS}, {PAYLOAD});"
+            f"t = ColdTier({shm!r}, bytes([1]) * 16, {ColdTier.size_for(4, BS, PAYLOAD)}, {BS}, {PAYLOAD});"
             "print(t.path, flush=True); time.sleep(30)")
     other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -10,6 +10,7 @@ import torch
 
 from o3edge import O3Config, O3Model
 from o3edge.engine import cold_tier as ct
+from o3edge.engine.kv_offload import _runs
 from o3edge.engine.sequence import SamplingParams
 
 SYSTEM = "You are a careful assistant who answers questions about the Python standard library. " * 4
@@ -109,6 +110,7 @@ RESTART = """
 import json, sys
 sys.path.insert(0, {repo!r})
 from o3edge import O3Config, O3Model
+from o3edge.engine.kv_offload import _runs
 from o3edge.engine.sequence import SamplingParams
 m = O3Model.from_config(O3Config(model_path={model!r}, device={device!r}, dtype="float32", kv_block_size=16,
                                  cold_tier_mb=8, cold_tier_dir={shm!r}))
@@ -187,3 +189,8 @@ def test_gpu_arena_is_pinned_and_offload_waits_on_the_device_not_the_host(tiny_d
     m.engine.offloader.drain()
     assert m.engine.stats()["cold_offloaded_blocks"] >= 9 and m.engine.offloader.counts["cold_swap_waits"] == 0
     m.engine.close()
+
+
+def test_consecutive_slots_make_one_copy_each_run():
+    assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3), (3, 2), (5, 1)]
+    assert _runs([7]) == [(0, 1)] and _runs([]) == []
