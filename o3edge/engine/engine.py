@@ -36,10 +36,10 @@ class RuntimeInfo:
     num_kv_blocks: int
     kv_block_size: int
     kv_cache_bytes: int
-    cache_identity: str  # the model identity the prefix cache and the cold tier are keyed by
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     load_seconds: float
+    cache_identity: str = ""  # the model identity that roots the prefix cache's and the cold tier's keys
 
 
 @dataclass
@@ -123,8 +123,8 @@ class LLMEngine:
         self.scheduler.set_window(config.batch_window_ms, config.min_batch_size)
         eos = args.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(self.tokenizer.eos_token)] if t is not None)
         self.info = RuntimeInfo(model_dir, str(device), str(dtype).removeprefix("torch."), args, fp, num_blocks,
-                                config.kv_block_size, num_blocks * block_bytes, identity, max_len, eos,
-                                time.perf_counter() - t0)
+                                config.kv_block_size, num_blocks * block_bytes, max_len, eos,
+                                time.perf_counter() - t0, cache_identity=identity)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, Detokenizer] = {}
         self.num_generated_tokens = 0

@@ -65,6 +65,8 @@ def test_kill_9_then_restart_serves_a_2000_token_system_prompt_from_the_cold_tie
         second.wait_ready()
         assert "re-attached" in second.log()
         with O3Client(second.endpoint, timeout=60) as c:
+            info = c.info()
+            assert info["cold_tier"] == os.path.join(shm, f"o3edge-{info['cache_identity']}-0")
             after = c.generate(prompt, max_tokens=8, ignore_eos=True)
             figures = c.stats()
         assert after.token_ids == before.token_ids
