@@ -148,7 +148,8 @@ def test_another_model_never_opens_this_models_segment(shm):
 
 
 def test_a_second_daemon_of_the_same_model_gets_its_own_segment(shm):
-    code = (f"import sys, time; sys.path.insert(0, {os.getcwd()!r}); from o3edge.engine.cold_tier import ColdTier;"
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (f"import sys, time; sys.path.insert(0, {repo!r}); from o3edge.engine.cold_tier import ColdTier;"
             f"t = ColdTier({shm!r}, bytes([1]) * 16, {ColdTier.size_for(4, BS, PAYLOAD)}, {BS}, {PAYLOAD});"
             "print(t.path, flush=True); time.sleep(30)")
     other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
