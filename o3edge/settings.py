@@ -12,7 +12,7 @@ setting's type; an empty value means "unset" for optional settings.
 
 Reload (SIGHUP): the daemon builds a new Settings and calls `old.reloadable_diff(new)`. These apply
 at once: log.level, power.energy_log, scheduler.* (class limits), server.queue_max_requests and
-server.queue_max_prompt_tokens. Everything else (engine.*, the server endpoints and socket
+server.queue_max_prompt_tokens. Everything else (engine.*, kv.*, the server endpoints and socket
 options, the power meter, metrics) needs a restart: `old.reloaded(new)` keeps the old values there.
 """
 
