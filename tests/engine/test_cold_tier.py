@@ -116,7 +116,12 @@ def test_torn_and_truncated_slabs_are_refused(shm):
     t.close()
     again = tier(shm)
     assert again.num_blocks == 0 and torn.hash not in again
+    store(again, torn, 4)
     again.close()
+    os.truncate(again.path, again.size - PAYLOAD // 2)  # the segment itself cut short
+    short = tier(shm)
+    assert short.num_blocks == 0 and short.size == os.path.getsize(short.path)  # started anew, full size
+    short.close()
 
 
 def test_header_tampering_and_other_layouts_are_refused(shm):
