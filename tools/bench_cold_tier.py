@@ -211,8 +211,10 @@ def main() -> None:
     if model_dir is None:
         from o3edge.tiny import make_checkpoint
         from tools.make_tiny_model import SHAPES
-        model_dir = os.path.join(tempfile.mkdtemp(prefix="o3edge-bench-"), a.shape)
-        make_checkpoint(model_dir, seed=0, **SHAPES[a.shape])
+        model_dir = os.path.join(tempfile.gettempdir(), f"o3edge-bench-{a.shape}")  # shared with bench_gpu.py
+        if not os.path.exists(os.path.join(model_dir, "config.json")):
+            print(f"making {a.shape} checkpoint in {model_dir}", flush=True)
+            make_checkpoint(model_dir, **SHAPES[a.shape])
     longest = max(max(lengths) + SUFFIX + 1, 512 if a.decode_batch else 0)  # decoding runs ~250 steps
     probe = LLMEngine(O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, num_kv_blocks=2, cuda_graphs=False,
                                max_model_len=longest + 1), model_dir)
