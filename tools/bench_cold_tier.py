@@ -82,6 +82,9 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
     prefix = rand(length)
     ttft(engine, rand(length + SUFFIX))  # warm-up at this shape
     ttft(engine, prefix + rand(SUFFIX))
+    engine.offloader.drain()
+    drop_hot_cache(engine)
+    ttft(engine, prefix + rand(SUFFIX))  # and a first restore (the verifying threads start)
     times = {"recompute": [], "hot": [], "cold": [], "restore": []}
     cold_tokens = []
     for _ in range(reps):
