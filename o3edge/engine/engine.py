@@ -140,7 +140,12 @@ class LLMEngine:
             return None
         from o3edge.engine.kv_offload import KVOffloader
 
-        offloader = KVOffloader(tier, self.runner.kv_cache, config.kv_block_size)
+        try:
+            offloader = KVOffloader(tier, self.runner.kv_cache, config.kv_block_size)
+        except Exception as exc:  # the tier is an optimization: never a reason not to serve
+            log.warning("cold tier off: its copier could not start (%s); serving without it", exc)
+            tier.close()
+            return None
         self.blocks.cold = tier
         self.blocks.on_cached_free = lambda b: offloader.offer(b.block_id, b.hash, b.parent, b.token_ids)
         self.blocks.on_reuse = offloader.before_overwrite

@@ -188,9 +188,13 @@ def _runs(slots: list[int]) -> list[tuple[int, int]]:
 
 def _host_register(arena: torch.Tensor) -> bool:
     """Pin the arena for the DMA engines; pageable copies stall the host and run at a third of the speed."""
-    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-    if int(err) != 0:
-        log.warning("cold tier: cudaHostRegister failed (%s); copies are pageable and slower", err)
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
+    except Exception as exc:  # no cudart binding (another backend)
+        err = exc
+    if err != 0:
+        log.warning("cold tier: cudaHostRegister failed (%s); copies are pageable, slower, and stall the host",
+                    err)
         return False
     return True
 

@@ -194,3 +194,15 @@ def test_gpu_arena_is_pinned_and_offload_waits_on_the_device_not_the_host(tiny_d
 def test_consecutive_slots_make_one_copy_each_run():
     assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3), (3, 2), (5, 1)]
     assert _runs([7]) == [(0, 1)] and _runs([]) == []
+
+
+def test_a_copier_that_cannot_start_leaves_the_engine_serving_without_the_tier(tiny_dir, shm, monkeypatch, caplog):
+    import o3edge.engine.kv_offload as ko
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no copier here")
+
+    monkeypatch.setattr(ko, "HostCopier", broken)
+    m = load(tiny_dir, cold_tier_mb=8, cold_tier_dir=shm)
+    assert m.engine.offloader is None and "cold tier off: its copier could not start" in caplog.text
+    assert m.engine.stats()["cold_tier"] == "off" and len(generate(m, [5, 6, 7]).token_ids) == 16
