@@ -1,8 +1,8 @@
 """Moves whole KV blocks between the hot pool (the runner's kv_cache) and the cold tier.
 
 Out (offload), asynchronously: when a named block loses its last holder it is offered; at the
-next flush (once per engine step) each offer gets an arena slot, and the copy runs off the step's
-critical path: on CUDA a gather and device-to-host copies on a side stream into the arena, which is
+next flush (after each schedule, and when a request ends) each offer gets an arena slot, and the
+copy runs off the step's critical path: on CUDA a gather and device-to-host copies on a side stream into the arena, which is
 registered as pinned memory (cudaHostRegister); on CPU a worker thread copies the bytes. The worker
 then checksums the slab and seals the header. A step never waits for an offload, with one
 exception that is the point of a swap: a block whose copy has not run yet and that the step is
@@ -12,7 +12,8 @@ does not); on CPU that one block is copied at once.
 In (restore), synchronously for the step that needs it: each block is verified (header, tokens,
 parent, slab checksum; groups of blocks at once on a thread pool, since zlib releases the GIL) and
 copied into its hot block as soon as its group passes (a run of consecutive slots in one copy), so
-copies overlap the verification of the rest. The first block that fails ends the restore; the caller recomputes from there.
+copies overlap the verification of the rest. The first block that fails ends the restore; the
+caller recomputes from there.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ class KVOffloader:
             self.hashes.add(h)
 
     def flush(self) -> None:
-        """Give this step's offers their slots and start their copies (engine thread, once per step)."""
+        """Give the offers so far their slots and start their copies (engine thread)."""
         if isinstance(self.copier, CudaCopier):
             self.copier.reap()
         jobs, self.offered = self.offered, []
