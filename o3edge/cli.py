@@ -46,7 +46,8 @@ def summary(done: Completion) -> str:
     if done.tokens_per_joule is not None:
         parts.append(f"{done.tokens_per_joule:.2f} tokens/J")
     if u.get("cached_tokens"):
-        parts.append(f"{u['cached_tokens']} cached")
+        cold = f" ({u['cold_tokens']} from the cold tier)" if u.get("cold_tokens") else ""
+        parts.append(f"{u['cached_tokens']} cached{cold}")
     return f"[{' · '.join(parts)} · {done.finish_reason}]"
 
 

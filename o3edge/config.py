@@ -28,6 +28,8 @@ class O3Config:
     kv_block_size: int = 32  # tokens per KV block
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
     kv_cache_memory_mb: int = 256
+    cold_tier_mb: int = 0  # shared-memory cold tier for KV blocks; 0: off ([kv] cold_tier_mb in o3edged)
+    cold_tier_dir: str = "/dev/shm"  # where its segment lives (a tmpfs)
     max_model_len: int | None = None  # None: the checkpoint's, capped at 4096
     max_num_seqs: int = 32  # sequences in the running batch
     max_num_batched_tokens: int = 2048  # prefill tokens per engine step (the chunk budget)
@@ -56,6 +58,10 @@ class O3Config:
             raise ConfigError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.cold_tier_mb < 0:
+            raise ConfigError(f"cold_tier_mb must be >= 0, got {self.cold_tier_mb}")
+        if not self.cold_tier_dir.startswith("/"):
+            raise ConfigError(f"cold_tier_dir must be an absolute path, got {self.cold_tier_dir!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
 

@@ -1,10 +1,12 @@
 """o3edged: the inference daemon, in the foreground, logging to stderr (journald under systemd).
 
     o3edged [--config PATH] [--endpoint ipc:///path] [--model DIR] [--device cpu|cuda|cuda:N|auto]
-            [--log-level debug|info|warning|error]
+            [--log-level debug|info|warning|error] [--drop-cold-tier]
 
 Settings come from the TOML file (default /etc/o3edge/o3edge.toml, if present), then O3EDGE_*
 variables, then these flags. With no model configured, the built-in default model is used.
+--drop-cold-tier removes the KV cold tier's shared-memory segments that no running daemon holds
+(every model's) before starting, so this start begins with an empty tier.
 
 Exit status: 0 stopped cleanly (SIGTERM/SIGINT, after draining); 1 the engine or the I/O thread
 failed (a load error other than the model's, repeated step failures, a bug); 2 bad command line;
@@ -87,6 +89,7 @@ class Daemon:
         config: O3Config = self.settings.engine
         engine = LLMEngine(config, resolve_model_path(config.model_path))
         engine.scheduler.set_limits(*scheduler_limits(self.settings))
+        tidy_cold_tier(config.cold_tier_dir, engine.offloader.tier.path if engine.offloader else None)
         return engine
 
     def apply_limits(self, settings: Settings) -> None:
@@ -205,6 +208,24 @@ def with_test_fault(on_loop: Callable[[], None], spec: str | None) -> Callable[[
     return stalling_on_loop
 
 
+def tidy_cold_tier(directory: str, keep: str | None) -> None:
+    """Remove the cold-tier segments no running process holds, except ours: another model's (after a
+    model change), a daemon that is gone, or all of them when the tier is off (`cold_tier_mb = 0`)."""
+    from o3edge.engine.cold_tier import remove_unused
+
+    removed = remove_unused(directory, keep)
+    if removed:
+        log.info("removed unused KV cold-tier segments: %s", ", ".join(removed))
+
+
+def drop_cold_tier(directory: str) -> None:
+    """--drop-cold-tier: remove every o3edge segment in the cold tier's directory that no daemon holds."""
+    from o3edge.engine.cold_tier import remove_unused  # plain Python: no torch at start-up
+
+    removed = remove_unused(directory)
+    log.info("dropped the KV cold tier: %s", ", ".join(removed) or "nothing to remove")
+
+
 def _describe(server: IPCServer) -> str:
     info = server.loop.engine.info
     return (f"{os.path.basename(os.path.normpath(info.model_dir))} on {info.device}/{info.dtype}, "
@@ -218,6 +239,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="model directory (HF checkpoint or o3edge engine); default: built-in tiny")
     ap.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     ap.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"))
+    ap.add_argument("--drop-cold-tier", action="store_true",
+                    help="remove the KV cold tier's shared-memory segments (unused ones) before starting")
     return ap.parse_args(argv)
 
 
@@ -240,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return EXIT_CONFIG
     configure_logging(settings.log.level)
+    if args.drop_cold_tier:
+        drop_cold_tier(settings.kv.cold_tier_dir)
     daemon = Daemon(settings, reread=lambda: load_settings(args.config, None, overrides))
     daemon.install_signal_handlers()
     return daemon.run()

@@ -1,8 +1,9 @@
 """The daemon's one frozen settings object: a TOML file, then O3EDGE_* variables, then the command line.
 
 `load_settings` builds it once and checks it; anything unknown is rejected by name with a
-ConfigError. Sections: [engine] (o3edge.config.O3Config), [server], [power], [metrics], [log] and
-[scheduler] (one table per priority class). The example /etc/o3edge/o3edge.toml lists every key.
+ConfigError. Sections: [engine] (o3edge.config.O3Config), [kv] (the KV cache's cold tier, passed
+to the engine config), [server], [power], [metrics], [log] and [scheduler] (one table per priority
+class). The example /etc/o3edge/o3edge.toml lists every key.
 
 Environment: O3EDGE_<SECTION>_<KEY>, e.g. O3EDGE_ENGINE_DEVICE=cpu,
 O3EDGE_SCHEDULER_NORMAL_MAX_WAIT_MS=500. A variable naming a known section must name a known key;
@@ -11,7 +12,7 @@ setting's type; an empty value means "unset" for optional settings.
 
 Reload (SIGHUP): the daemon builds a new Settings and calls `old.reloadable_diff(new)`. These apply
 at once: log.level, power.energy_log, scheduler.* (class limits), server.queue_max_requests and
-server.queue_max_prompt_tokens. Everything else (engine.*, the server endpoints and socket
+server.queue_max_prompt_tokens. Everything else (engine.*, kv.*, the server endpoints and socket
 options, the power meter, metrics) needs a restart: `old.reloaded(new)` keeps the old values there.
 """
 
@@ -39,6 +40,7 @@ METERS = ("auto", "nvml", "rapl", "jetson", "estimate")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 RELOADABLE = ("log.level", "power.energy_log", "scheduler.*",
               "server.queue_max_requests", "server.queue_max_prompt_tokens")
+KV_IN_ENGINE = ("cold_tier_mb", "cold_tier_dir")  # [kv] settings the engine config carries
 _OCTAL = {"octal": True}  # field metadata: text values are octal (a file mode)
 
 
@@ -156,10 +158,25 @@ class SchedulerSettings:
 
 
 @dataclass(frozen=True)
+class KVSettings:
+    """The KV cache's shared-memory cold tier (docs/kv-cache.md); the engine config gets these values."""
+
+    cold_tier_mb: int = 0  # 0: off
+    cold_tier_dir: str = "/dev/shm"
+
+    def __post_init__(self):
+        if self.cold_tier_mb < 0:
+            raise ConfigError(f"kv.cold_tier_mb must be >= 0, got {self.cold_tier_mb}")
+        if not os.path.isabs(self.cold_tier_dir):
+            raise ConfigError(f"kv.cold_tier_dir must be an absolute path, got {self.cold_tier_dir!r}")
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything o3edged is configured with; built once by `load_settings`, never mutated."""
 
     engine: O3Config = field(default_factory=O3Config)
+    kv: KVSettings = field(default_factory=KVSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
     power: PowerSettings = field(default_factory=PowerSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
@@ -167,8 +184,11 @@ class Settings:
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
 
     def as_dict(self) -> dict:
-        """Nested plain dict, one table per section."""
-        return dataclasses.asdict(self)
+        """Nested plain dict, one table per section ([kv] values appear there only, not under engine)."""
+        table = dataclasses.asdict(self)
+        for key in KV_IN_ENGINE:
+            del table["engine"][key]
+        return table
 
     def reloadable_diff(self, new: "Settings") -> tuple[list[str], list[str]]:
         """Changed settings as dotted names: (those a SIGHUP applies, those that need a restart)."""
@@ -320,8 +340,14 @@ def _parse_text(text: str, hint: type) -> Any:
 
 
 def _build(merged: dict) -> Settings:
+    engine, kv = dict(merged.get("engine", {})), KVSettings(**merged.get("kv", {}))
+    misplaced = sorted(k for k in engine if k in KV_IN_ENGINE)
+    if misplaced:
+        raise ConfigError(f"{', '.join('engine.' + k for k in misplaced)}: set these in [kv]")
+    engine.update(cold_tier_mb=kv.cold_tier_mb, cold_tier_dir=kv.cold_tier_dir)
     return Settings(
-        engine=O3Config.from_dict(merged.get("engine", {})),
+        engine=O3Config.from_dict(engine),
+        kv=kv,
         server=ServerSettings(**merged.get("server", {})),
         power=PowerSettings(**merged.get("power", {})),
         metrics=MetricsSettings(**merged.get("metrics", {})),

@@ -189,3 +189,14 @@ def test_reloadable_names():
     assert is_reloadable("scheduler.high.max_wait_ms") and is_reloadable("log.level")
     assert not is_reloadable("server.endpoint") and not is_reloadable("engine.kv_block_size")
     assert not is_reloadable("scheduler")  # only names inside it
+
+
+def test_kv_section_sets_the_engines_cold_tier_and_only_there(tmp_path):
+    s = load_settings(None, {"O3EDGE_KV_COLD_TIER_MB": "512"}, {"kv.cold_tier_dir": "/run/o3edge-shm"})
+    assert (s.kv.cold_tier_mb, s.engine.cold_tier_mb, s.engine.cold_tier_dir) == (512, 512, "/run/o3edge-shm")
+    assert "cold_tier_mb" not in s.as_dict()["engine"]
+    assert s.reloadable_diff(load_settings(None, {}, {}))[1] == ["kv.cold_tier_dir", "kv.cold_tier_mb"]
+    with pytest.raises(ConfigError, match=r"engine\.cold_tier_mb.*\[kv\]"):
+        load_settings(None, {}, {"engine.cold_tier_mb": 64})
+    with pytest.raises(ConfigError, match="kv.cold_tier_mb"):
+        load_settings(None, {"O3EDGE_KV_COLD_TIER_MB": "-1"}, {})

@@ -4,6 +4,12 @@ Full blocks are named by a chained hash of (parent hash, token ids), rooted in t
 fingerprint, so a block means the same thing in any request, and, later, in any process with
 the same model. A block whose last holder finishes keeps its hash and stays findable until the
 allocator needs its space: the free list is kept in least-recently-freed order.
+
+With a cold tier (engine/cold_tier.py) the chain goes on past the hot hits: blocks the tier holds
+are given fresh hot blocks and listed in `seq.cold_pending` for the engine to copy in, and count as
+cached until `restored()` says how many arrived. Two hooks tell the tier's copier what happens:
+`on_cached_free(block)` when a named block loses its last holder (offload it), `on_reuse(block_id)`
+before a free block is handed out again (its outgoing copy must be made before it is overwritten).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 from o3edge.engine.sequence import Sequence
 
@@ -27,6 +34,11 @@ class Block:
     ref_count: int = 0
     hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
+    parent: bytes = b""  # the hash of the block before it (or the root)
+
+
+class ColdLookup(Protocol):
+    def lookup(self, h: bytes, parent: bytes, token_ids: tuple[int, ...]) -> bool: ...
 
 
 class BlockManager:
@@ -42,6 +54,10 @@ class BlockManager:
         self.seq_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its sealed blocks
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.num_cold_hit_tokens = 0
+        self.cold: ColdLookup | None = None
+        self.on_cached_free: Callable[[Block], None] | None = None
+        self.on_reuse: Callable[[int], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -81,10 +97,44 @@ class BlockManager:
         for block_id in hits:
             self._take(block_id)
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
-        self.seq_hashes[seq.seq_id] = [self.blocks[b].hash for b in hits]
-        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        hashes = self.seq_hashes[seq.seq_id] = [self.blocks[b].hash for b in hits]
+        cold = self._match_cold(seq, hashes[-1] if hashes else self.root, len(hits)) if reuse else []
+        seq.cold_pending = [(seq.block_table[len(hits) + i], *c) for i, c in enumerate(cold)]
+        seq.num_cold_tokens = len(cold) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens = (len(hits) + len(cold)) * self.block_size
         self.num_queried_tokens += len(seq)
         self.num_hit_tokens += seq.num_cached_tokens
+
+    def _match_cold(self, seq: Sequence, parent: bytes, start: int) -> list[tuple[bytes, bytes, tuple]]:
+        """(hash, parent, tokens) of the blocks after the hot hits that the cold tier holds."""
+        if self.cold is None or not self.prefix_caching:
+            return []
+        bs, found = self.block_size, []
+        for i in range(start, (len(seq) - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            if not self.cold.lookup(h, parent, tokens):
+                break
+            found.append((h, parent, tokens))
+            parent = h
+        return found
+
+    def restored(self, seq: Sequence, num_blocks: int) -> None:
+        """The first num_blocks of seq.cold_pending arrived; the rest are recomputed."""
+        pending, seq.cold_pending = seq.cold_pending, []
+        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
+        for block_id, h, parent, tokens in pending[:num_blocks]:
+            hashes.append(h)
+            block = self.blocks[block_id]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.parent, block.token_ids = h, parent, tokens
+                self.cached[h] = block_id
+        lost = (len(pending) - num_blocks) * self.block_size
+        seq.num_computed_tokens -= lost
+        seq.num_cached_tokens -= lost
+        seq.num_cold_tokens -= lost
+        self.num_hit_tokens -= lost
+        self.num_cold_hit_tokens += seq.num_cold_tokens
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -94,6 +144,8 @@ class BlockManager:
 
     def _take_free(self) -> int:
         block_id, _ = self.free.popitem(last=False)  # least recently freed
+        if self.on_reuse is not None:
+            self.on_reuse(block_id)
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
@@ -122,7 +174,7 @@ class BlockManager:
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.cached:
-                block.hash, block.token_ids = h, tokens
+                block.hash, block.token_ids, block.parent = h, tokens, hashes[-2] if i else self.root
                 self.cached[h] = block.block_id
 
     # ---- release ---------------------------------------------------------------------------
@@ -133,7 +185,10 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
+                if block.hash is not None and self.on_cached_free is not None:
+                    self.on_cached_free(block)
         seq.block_table = []
+        seq.cold_pending = []
         seq.num_computed_tokens = 0
         self.seq_hashes.pop(seq.seq_id, None)
 
@@ -150,4 +205,5 @@ class BlockManager:
             "kv_block_size": self.block_size,
             "prefix_hit_rate": round(self.hit_rate, 4),
             "prefix_hit_tokens": self.num_hit_tokens,
+            "cold_hit_tokens": self.num_cold_hit_tokens,
         }

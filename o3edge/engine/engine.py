@@ -10,7 +10,8 @@ import torch
 
 from o3edge.config import O3Config
 from o3edge.engine.block_manager import BlockManager
-from o3edge.engine.checkpoint import ModelArgs, fingerprint, read_model_args
+from o3edge.engine.checkpoint import ModelArgs, fingerprint, read_model_args, weight_files
+from o3edge.engine.cold_tier import model_identity, open_cold_tier
 from o3edge.engine.engine_dir import built_dtype
 from o3edge.engine.loader import load_model
 from o3edge.engine.quant import int4_tag
@@ -38,6 +39,7 @@ class RuntimeInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     load_seconds: float
+    cache_identity: str = ""  # the model identity that roots the prefix cache's and the cold tier's keys
 
 
 @dataclass
@@ -54,6 +56,7 @@ class RequestOutput:
     num_cached_tokens: int
     arrival_time: float
     first_token_time: float | None
+    num_cold_tokens: int = 0  # of the cached tokens, those copied in from the cold tier
 
 
 @dataclass
@@ -122,21 +125,59 @@ class LLMEngine:
         if device.type == "cuda" and config.cuda_graphs and not onnx:
             self.runner.enable_static_decode(config.max_num_seqs, capture=True,
                                              max_prefill_tokens=config.max_num_batched_tokens)
-        # the KV pool budgets ONNX Runtime's dense per-sequence KV too; it cannot share prefixes
-        self.blocks = BlockManager(num_blocks, config.kv_block_size, f"{fp}:{dtype}",
-                                   config.dynamic_kv_cache and not onnx)
+        # ONNX Runtime keeps dense KV per sequence (the pool only budgets it): no prefix sharing, no cold tier
+        prefix_reuse = config.dynamic_kv_cache and not onnx
+        kv_shape = f"{args.num_layers}x2x{config.kv_block_size}x{args.num_kv_heads}x{args.head_dim}"
+        layout = f"{device.type}:{dtype}:{kv_shape}"  # what one block's bytes mean
+        identity = fp if onnx else model_identity(model_dir, fp, layout, weight_files(model_dir))
+        self.blocks = BlockManager(num_blocks, config.kv_block_size, identity, prefix_reuse)
+        self.offloader = self._cold_tier(config, identity, block_bytes) if prefix_reuse else None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler.set_window(config.batch_window_ms, config.min_batch_size)
         eos = args.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(self.tokenizer.eos_token)] if t is not None)
         self.info = RuntimeInfo(model_dir, str(device), str(dtype).removeprefix("torch."), args, fp, num_blocks,
                                 config.kv_block_size, num_blocks * block_bytes, max_len, eos,
-                                time.perf_counter() - t0)
+                                time.perf_counter() - t0, cache_identity=identity)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, Detokenizer] = {}
         self.num_generated_tokens = 0
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
                  model_dir, device, self.info.dtype, num_blocks, config.kv_block_size,
                  self.info.kv_cache_bytes / 2**20, max_len)
+
+    def _cold_tier(self, config: O3Config, identity: str, block_bytes: int):
+        """The shared-memory cold tier and its copier, hooked into the block manager; None when off."""
+        tier = open_cold_tier(config.cold_tier_dir, bytes.fromhex(identity), config.cold_tier_mb,
+                              config.kv_block_size, block_bytes)
+        if tier is None:
+            return None
+        from o3edge.engine.kv_offload import KVOffloader
+
+        try:
+            offloader = KVOffloader(tier, self.runner.kv_cache, config.kv_block_size)
+        except Exception as exc:  # the tier is an optimization: never a reason not to serve
+            log.warning("cold tier off: its copier could not start (%s); serving without it", exc)
+            tier.close()
+            return None
+        self.blocks.cold = tier
+        self.blocks.on_cached_free = lambda b: offloader.offer(b.block_id, b.hash, b.parent, b.token_ids)
+        self.blocks.on_reuse = offloader.before_overwrite
+        return offloader
+
+    def _restore(self, seq: Sequence) -> int:
+        """Copy seq's cold blocks in; how many arrived (a failure means they are all recomputed)."""
+        try:
+            return self.offloader.restore(seq.cold_pending)
+        except Exception:
+            log.exception("cold tier: restoring %d blocks failed; they are recomputed", len(seq.cold_pending))
+            return 0
+
+    def close(self) -> None:
+        """Let the cold tier's copies finish and release it (its segment stays for the next start)."""
+        if self.offloader is not None:
+            self.blocks.cold = self.blocks.on_cached_free = self.blocks.on_reuse = None
+            self.offloader.close()
+            self.offloader = None
 
     # ---- requests --------------------------------------------------------------------------
     def encode(self, prompt: str | None = None, messages: list | None = None) -> list[int]:
@@ -179,6 +220,8 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.runner.release(seq)
         self.detok.pop(request_id, None)
+        if self.offloader is not None:
+            self.offloader.flush()  # its named blocks start on their way to the cold tier now, idle or not
         return True
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -202,9 +245,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         outputs = [self._expired(seq) for seq in self.scheduler.expired]
         self.scheduler.expired.clear()
+        if self.offloader is not None:
+            self.offloader.flush()  # this step's offers (finished and preempted sequences) start copying
         if not batch:
             return outputs, None
         t0 = time.monotonic_ns()
+        for seq, _ in batch:
+            if seq.cold_pending:
+                self.blocks.restored(seq, self._restore(seq))
         tokens = self.runner.run(batch)
         report = StepReport(t0, time.monotonic_ns())
         now = time.monotonic()
@@ -233,7 +281,8 @@ class LLMEngine:
             text += self.detok[seq.request_id].flush()
             self.abort(seq.request_id, reason)
         return RequestOutput(seq.request_id, [token], text, reason is not None, reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time)
+                             seq.num_output_tokens, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time,
+                             seq.num_cold_tokens)
 
     def _expired(self, seq: Sequence) -> RequestOutput:
         """The last output of a request the scheduler ended: its deadline passed (queued: never run;
@@ -242,10 +291,12 @@ class LLMEngine:
         text = self.detok[seq.request_id].flush()
         self.abort(seq.request_id, reason)
         return RequestOutput(seq.request_id, [], text, True, reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time)
+                             seq.num_output_tokens, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time,
+                             seq.num_cold_tokens)
 
     def stats(self) -> dict:
         """Queue, batch and KV-cache figures for `stats` and metrics."""
         s = self.scheduler
         return {"waiting": len(s.waiting), "running": len(s.running), "preemptions": s.num_preemptions,
-                "generated_tokens": self.num_generated_tokens, "classes": s.stats(), **self.blocks.stats()}
+                "generated_tokens": self.num_generated_tokens, "classes": s.stats(), **self.blocks.stats(),
+                **(self.offloader.stats() if self.offloader is not None else {"cold_tier": "off"})}

@@ -5,7 +5,8 @@ still being prefilled takes a chunk of what is left), then waiting ones are admi
 priority class, then earliest deadline, then arrival, while budget, batch slots, per-class limits and
 KV blocks last. A long prompt is thus split into chunks and never stalls running decodes for more
 than one chunk. When blocks or slots run out, the least important, newest running sequence is
-preempted (its blocks freed, its tokens recomputed on resume) — to admit a more important waiting
+preempted (its blocks freed, its tokens recomputed on resume, or copied back from the cold tier
+when the engine has one) — to admit a more important waiting
 one, or to let a more important running one grow. An optional batching window lets an idle engine
 wait briefly for a fuller first batch (throughput over latency at light load). Plain Python: no
 tensors; the clock is given.

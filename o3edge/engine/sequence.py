@@ -78,6 +78,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_cached_tokens: int = 0  # of those, found in the prefix cache rather than computed
+    num_cold_tokens: int = 0  # of those, copied in from the cold tier
+    cold_pending: list = field(default_factory=list)  # (block id, hash, parent, tokens) to copy in
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

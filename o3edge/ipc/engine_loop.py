@@ -118,6 +118,7 @@ class EngineLoop:
                 self._serve()
         finally:
             self._flush()
+            self._close_engine()
             self.ready.set()  # wake waiters even on failure
 
     def _start(self) -> bool:
@@ -135,6 +136,15 @@ class EngineLoop:
         self.ready.set()
         self._hook("on_phase", "ready")
         return True
+
+    def _close_engine(self) -> None:
+        """Let the engine finish its background copies (the KV cold tier's) before the process ends."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                log.exception("closing the engine failed")
 
     def _warm_up(self) -> None:
         """One short generation so first-request costs (allocations, kernels) are paid before ready."""
@@ -316,7 +326,7 @@ class EngineLoop:
 
 def _usage(out: "RequestOutput") -> dict:
     return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "cached_tokens": out.num_cached_tokens}
+            "cached_tokens": out.num_cached_tokens, "cold_tokens": out.num_cold_tokens}
 
 
 def _timings(job: Job, out: "RequestOutput", now: float) -> dict:

@@ -57,7 +57,14 @@ def engine_info(engine: "LLMEngine") -> dict:
             "architecture": i.args.family, "dtype": i.dtype, "device": i.device, "max_context": i.max_model_len,
             "vocab_size": i.args.vocab_size, "kv_block_size": i.kv_block_size, "num_kv_blocks": i.num_kv_blocks,
             "kv_cache_bytes": i.kv_cache_bytes, "fingerprint": i.fingerprint,
-            "has_chat_template": bool(engine.tokenizer.chat_template), "load_seconds": round(i.load_seconds, 3)}
+            "has_chat_template": bool(engine.tokenizer.chat_template), "load_seconds": round(i.load_seconds, 3),
+            "cache_identity": i.cache_identity, "cold_tier": cold_tier_path(engine)}
+
+
+def cold_tier_path(engine: "LLMEngine") -> str | None:
+    """The KV cold tier's shared-memory segment, None when the tier is off."""
+    offloader = getattr(engine, "offloader", None)
+    return offloader.tier.path if offloader is not None else None
 
 
 def status_line(server: "IPCServer") -> str:

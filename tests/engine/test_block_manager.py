@@ -93,3 +93,58 @@ def test_prefix_caching_off_never_hits():
     s = seq(range(10))
     bm.allocate(s)
     assert s.num_cached_tokens == 0 and not bm.cached
+
+
+class FakeCold:
+    """A cold tier as the block manager sees it: names it holds, plus what the hooks reported."""
+
+    def __init__(self):
+        self.held, self.freed, self.reused = {}, [], []
+
+    def lookup(self, h, parent, tokens):
+        return self.held.get(h) == (parent, tuple(tokens))
+
+
+def with_cold(bm):
+    cold = FakeCold()
+    bm.cold = cold
+    bm.on_cached_free = lambda b: (cold.freed.append(b.block_id), cold.held.__setitem__(b.hash, (b.parent, b.token_ids)))
+    bm.on_reuse = cold.reused.append
+    return cold
+
+
+def test_cold_tier_continues_the_chain_after_the_hot_hits():
+    bm = BlockManager(6, 4, "model-a")
+    cold = with_cold(bm)
+    first = computed(bm, seq(range(14)))  # three full named blocks and a partial one
+    named, names = first.block_table[:3], set(bm.seq_hashes[first.seq_id])
+    bm.free_seq(first)
+    assert sorted(cold.freed) == sorted(named)  # each named block was offered
+    bm.free_seq(computed(bm, seq(range(100, 122))))  # takes all 6 blocks: the named ones are overwritten
+    assert set(named) <= set(cold.reused) and not names & bm.cached.keys() and names <= cold.held.keys()
+    again = seq(range(14))
+    bm.allocate(again)
+    assert again.num_cached_tokens == again.num_cold_tokens == 12
+    assert [b for b, *_ in again.cold_pending] == again.block_table[:3]
+    bm.restored(again, 2)  # the third failed its check: it is computed again
+    assert (again.num_computed_tokens, again.num_cached_tokens, again.num_cold_tokens) == (8, 8, 8)
+    assert bm.seq_hashes[again.seq_id] == [bm.blocks[b].hash for b in again.block_table[:2]]
+    assert bm.stats()["cold_hit_tokens"] == 8 and again.cold_pending == []
+    bm.mark_computed(again, again.num_uncomputed)
+    hot = seq(range(14))
+    bm.allocate(hot)
+    assert hot.num_cached_tokens == 12 and hot.num_cold_tokens == 0  # now all hot again
+
+
+def test_cold_tier_match_checks_parent_and_tokens_and_stops_at_the_first_miss():
+    bm = BlockManager(8, 4, "model-a")
+    cold = with_cold(bm)
+    bm.free_seq(computed(bm, seq(range(14))))
+    bm.cached.clear()
+    for b in bm.blocks:
+        b.hash = None
+    h1 = next(h for h, (parent, _) in cold.held.items() if parent == bm.root)
+    del cold.held[h1]  # the first block is gone: nothing after it can be used
+    s = seq(range(14))
+    bm.allocate(s)
+    assert s.num_cold_tokens == 0 and s.cold_pending == []

@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""KV cold tier benchmark: time to first token against prefix length, recompute vs hot hit vs cold hit.
+
+For each prefix length, a request is a random prefix of that many tokens plus 16 new tokens:
+  recompute  the prefix was never seen (a fresh random prefix each repetition)
+  hot        the prefix is in the hot prefix cache (device memory, or RAM on CPU)
+  cold       the prefix was offloaded to the shared-memory tier and dropped from the hot cache,
+             so its blocks are verified (CRC32) and copied back in
+TTFT is add_request -> first token out of engine.step() (on CUDA, step() returns after the token is
+on the host); the three cases are interleaved per repetition, and medians are reported (all values
+are in the JSON). "restore ms" is the cold case's verify-and-copy-in alone. The hot cache is emptied between the cold runs by forgetting its names
+(`drop_hot_cache`), which is what LRU eviction does once the offload has finished.
+
+  python tools/bench_cold_tier.py /tmp/smol-135m --device cpu --threads 2 --lengths 250,1000,2000
+  python tools/bench_cold_tier.py --shape llama-1b --device cuda --lengths 1024,4096,16384 --json OUT
+
+--decode-batch N adds the offload's cost to decoding: the median step time of N sequences decoding,
+alone and while --offload-blocks blocks are offered to the tier before the step (blocks of the
+pool's free list under fresh names, as if requests finished alongside), in alternating runs of 8
+steps; a step with offers also pays for starting their copies.
+
+Prints a table and, with --json, writes every measurement with the machine it ran on.
+--plot PNG draws TTFT against prefix length, one panel per result file:
+
+  python tools/bench_cold_tier.py --plot docs/img/cold-tier.png --results docs/results/cold-tier-*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from o3edge import O3Config  # noqa: E402
+from o3edge.engine.block_manager import chain_hash  # noqa: E402
+from o3edge.engine.engine import LLMEngine  # noqa: E402
+from o3edge.engine.sequence import SamplingParams  # noqa: E402
+
+ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)
+SUFFIX = 16
+
+
+def ttft(engine: LLMEngine, ids: list[int]) -> float:
+    """Seconds from add_request to the first token, with the engine otherwise idle."""
+    rid = uuid.uuid4().hex
+    t0 = time.perf_counter()
+    engine.add_request(rid, ids, ONE)
+    while True:
+        outs, _ = engine.step()
+        if any(o.request_id == rid and o.token_ids for o in outs):
+            elapsed = time.perf_counter() - t0
+            break
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed
+
+
+def drop_hot_cache(engine: LLMEngine) -> None:
+    """Forget every free block's name: the next request finds its prefix only in the cold tier."""
+    blocks = engine.blocks
+    for block in blocks.blocks:
+        if block.ref_count == 0 and block.hash is not None:
+            blocks.cached.pop(block.hash, None)
+            block.hash, block.token_ids = None, ()
+
+
+def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab: int) -> dict:
+    """TTFTs of the three cases, interleaved per repetition so that a busy machine slows all three alike."""
+    rand = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    prefix = rand(length)
+    ttft(engine, rand(length + SUFFIX))  # warm-up at this shape
+    ttft(engine, prefix + rand(SUFFIX))
+    engine.offloader.drain()
+    drop_hot_cache(engine)
+    ttft(engine, prefix + rand(SUFFIX))  # and a first restore (the verifying threads start)
+    times = {"recompute": [], "hot": [], "cold": [], "restore": []}
+    cold_tokens = []
+    for _ in range(reps):
+        times["recompute"].append(ttft(engine, rand(length + SUFFIX)))
+        times["hot"].append(ttft(engine, prefix + rand(SUFFIX)))
+        engine.offloader.drain()
+        drop_hot_cache(engine)
+        before, restore_s = engine.blocks.num_cold_hit_tokens, engine.offloader.counts["cold_restore_seconds"]
+        times["cold"].append(ttft(engine, prefix + rand(SUFFIX)))
+        times["restore"].append(engine.offloader.counts["cold_restore_seconds"] - restore_s)
+        cold_tokens.append(engine.blocks.num_cold_hit_tokens - before)
+    ms = lambda x: round(x * 1000, 2)  # noqa: E731
+    row = {"prefix_tokens": length, "cold_tokens": min(cold_tokens)}
+    for case, xs in times.items():
+        row[f"{case}_ms"] = ms(statistics.median(xs))
+        row[f"{case}_min_ms"] = ms(min(xs))
+        row[f"{case}_all_ms"] = [ms(x) for x in xs]
+    row["cold_over_recompute"] = round(row["cold_ms"] / row["recompute_ms"], 3)
+    row["hot_over_recompute"] = round(row["hot_ms"] / row["recompute_ms"], 3)
+    row["restore_gb_per_s"] = round(row["cold_tokens"] / engine.blocks.block_size * engine.offloader.tier.payload_bytes
+                                    / statistics.median(times["restore"]) / 1e9, 2)
+    return row
+
+
+def decode_overhead(engine: LLMEngine, batch: int, offers: int, rng: random.Random, vocab: int,
+                    steps: int = 48) -> dict:
+    """Median decode step time of `batch` sequences, without and with `offers` block offloads per step."""
+    params = SamplingParams(max_new_tokens=2 * steps + 16, ignore_eos=True)
+    rids = [uuid.uuid4().hex for _ in range(batch)]
+    for rid in rids:
+        engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(64)], params)
+    while any(engine.seqs[r].num_output_tokens == 0 for r in rids):
+        engine.step()
+    sync = torch.cuda.synchronize if engine.info.device.startswith("cuda") else (lambda: None)
+
+    def offer() -> None:
+        free = list(engine.blocks.free)[-offers:]  # the most recently freed: not taken this step
+        for block_id in free:
+            tokens = tuple(rng.randrange(3, vocab) for _ in range(engine.blocks.block_size))
+            parent = rng.randbytes(16)
+            engine.offloader.offer(block_id, chain_hash(parent, tokens), parent, tokens)
+
+    base, loaded = [], []
+    for i in range(2 * steps):  # runs of 8 steps of each kind, so that a busy machine slows both alike
+        with_offers = (i // 8) % 2 == 1
+        if not with_offers and i % 8 == 0:
+            engine.offloader.drain()  # no copy of the previous run still going
+        if with_offers:
+            offer()
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        (loaded if with_offers else base).append(time.perf_counter() - t0)
+    engine.offloader.drain()
+    for rid in rids:
+        engine.abort(rid)
+    b, w = statistics.median(base) * 1000, statistics.median(loaded) * 1000
+    return {"batch": batch, "offload_blocks_per_step": offers, "step_ms": round(b, 3),
+            "step_with_offload_ms": round(w, 3), "overhead": round(w / b - 1, 4)}
+
+
+def plot(results: list[dict], path: str) -> None:
+    """TTFT against prefix length for recompute, hot and cold, one log-log panel per result."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.8), dpi=90, squeeze=False)
+    for ax, res in zip(axes[0], results):
+        x = [r["prefix_tokens"] for r in res["rows"]]
+        for case, style in (("recompute", "o-"), ("hot", "s--"), ("cold", "^-")):
+            ax.plot(x, [r[f"{case}_ms"] for r in res["rows"]], style, label=case)
+        n = res["machine"]["threads"]
+        where = res["machine"].get("gpu") or f"{res['machine'].get('cpu', 'CPU')}, {n} thread{'s' * (n != 1)}"
+        ax.set(xscale="log", yscale="log", xlabel="prefix tokens", ylabel="TTFT (ms)",
+               title=f"{res.get('shape') or res['model']} {res['dtype']}, {where}\n{res['date']}")
+        ax.set_xticks(x, [str(v) for v in x], minor=False)
+        ax.set_xticks([], minor=True)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+def machine(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", help="checkpoint or engine directory (or use --shape)")
+    ap.add_argument("--shape", help="make a random-weight checkpoint of this shape (tools/make_tiny_model.py)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--lengths", default="1000", help="comma-separated prefix lengths in tokens")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, help="CPU threads for torch")
+    ap.add_argument("--cold-tier-mb", type=int, default=0, help="default: room for the longest prefix twice")
+    ap.add_argument("--cold-tier-dir", default="/dev/shm")
+    ap.add_argument("--decode-batch", type=int, default=0, help="also measure the offload's cost to decoding")
+    ap.add_argument("--offload-blocks", type=int, default=8, help="blocks offloaded per decode step")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--plot", help="draw TTFT against prefix length into this PNG")
+    ap.add_argument("--results", nargs="+", help="with --plot: plot these result files instead of running")
+    a = ap.parse_args()
+    if a.results:
+        results = []
+        for path in a.results:
+            with open(path) as fh:
+                results.append(json.load(fh))
+        return plot(results, a.plot)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    lengths = [int(x) for x in a.lengths.split(",")]
+    model_dir = a.model
+    if model_dir is None:
+        from o3edge.tiny import make_checkpoint
+        from tools.make_tiny_model import SHAPES
+        model_dir = os.path.join(tempfile.gettempdir(), f"o3edge-bench-{a.shape}")  # shared with bench_gpu.py
+        if not os.path.exists(os.path.join(model_dir, "config.json")):
+            print(f"making {a.shape} checkpoint in {model_dir}", flush=True)
+            make_checkpoint(model_dir, **SHAPES[a.shape])
+    longest = max(max(lengths) + SUFFIX + 1, 512 if a.decode_batch else 0)  # decoding runs ~250 steps
+    probe = LLMEngine(O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, num_kv_blocks=2, cuda_graphs=False,
+                               max_model_len=longest + 1), model_dir)
+    block_mb = probe.info.kv_cache_bytes / 2 / 2**20
+    blocks_needed = -(-longest // probe.info.kv_block_size)
+    del probe
+    gc.collect()
+    cold_mb = a.cold_tier_mb or int(block_mb * blocks_needed * 2) + 8
+    config = O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, max_model_len=longest + 1,
+                      num_kv_blocks=max(blocks_needed * 2 + 2, a.decode_batch * 12), max_num_batched_tokens=longest,
+                      max_num_seqs=max(32, a.decode_batch),
+                      cold_tier_mb=cold_mb, cold_tier_dir=a.cold_tier_dir, num_threads=a.threads)
+    engine = LLMEngine(config, model_dir)
+    assert engine.offloader is not None, "the cold tier did not start (see the warning above)"
+    rng, rows = random.Random(0), []
+    print(f"{'prefix':>7} {'recompute ms':>13} {'hot ms':>8} {'cold ms':>8} {'cold/recompute':>15} "
+          f"{'hot/recompute':>14} {'restore ms':>11}")
+    for length in lengths:
+        row = measure(engine, length, a.reps, rng, engine.info.args.vocab_size)
+        rows.append(row)
+        print(f"{length:>7} {row['recompute_ms']:>13.1f} {row['hot_ms']:>8.1f} {row['cold_ms']:>8.1f} "
+              f"{row['cold_over_recompute']:>15.3f} {row['hot_over_recompute']:>14.3f} {row['restore_ms']:>11.1f}",
+              flush=True)
+    decode = None
+    if a.decode_batch:
+        decode = decode_overhead(engine, a.decode_batch, a.offload_blocks, rng, engine.info.args.vocab_size)
+        print(f"decode, batch {decode['batch']}: {decode['step_ms']:.2f} ms/step alone, "
+              f"{decode['step_with_offload_ms']:.2f} ms with {decode['offload_blocks_per_step']} blocks offloaded "
+              f"per step ({decode['overhead']:+.1%})")
+    stats = engine.stats()
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+              "model": os.path.basename(os.path.normpath(model_dir)), "shape": a.shape, "device": engine.info.device,
+              "dtype": engine.info.dtype, "kv_block_size": engine.info.kv_block_size, "cold_tier_mb": cold_mb,
+              "machine": machine(torch.device(engine.info.device)), "rows": rows, "decode": decode,
+              "cold_tier": {k: v for k, v in stats.items() if k.startswith("cold_")}}
+    engine.close()
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {a.json}")
+    if a.plot:
+        plot([result], a.plot)
+
+
+if __name__ == "__main__":
+    main()
