@@ -196,6 +196,8 @@ def _host_register(arena: torch.Tensor) -> bool:
     if err != 0:
         log.warning("cold tier: cudaHostRegister failed (%s); copies are pageable, slower, and stall the host",
                     err)
+        if isinstance(err, int):  # clear the error, or the next kernel launch check reports it as its own
+            torch.cuda.cudart().cudaGetLastError()
         return False
     return True
 
