@@ -1,0 +1,53 @@
+"""Batched sampling: draws follow the filtered distribution, filters are exact, rows are independent."""
+
+import torch
+
+from o3edge.engine.sampling import filtered_probs, make_generator, sample
+from o3edge.engine.sequence import SamplingParams
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -4.0])
+
+
+def draws(params: SamplingParams, n: int, others: list[SamplingParams] = ()) -> torch.Tensor:
+    """n tokens for one request (seeds 0..n-1), each drawn in a batch with the other rows."""
+    out = []
+    for seed in range(n):
+        p = SamplingParams(**{**params.__dict__, "seed": seed})
+        batch = [p, *others]
+        gens = [make_generator(q, torch.device("cpu"), 1000 + i) for i, q in enumerate(batch)]
+        out.append(sample(LOGITS.repeat(len(batch), 1), batch, gens)[0])
+    return torch.tensor(out)
+
+
+def test_draws_follow_temperature_softmax():
+    p = SamplingParams(temperature=0.7, max_new_tokens=1)
+    got = torch.bincount(draws(p, 4000), minlength=len(LOGITS)).float() / 4000
+    want = torch.softmax(LOGITS / 0.7, dim=-1)
+    assert (got - want).abs().max() < 0.03  # 4,000 draws: about 4 standard errors at the largest p
+
+
+def test_top_k_and_top_p_never_draw_a_filtered_token():
+    top_k = draws(SamplingParams(temperature=1.0, top_k=3, max_new_tokens=1), 600)
+    assert set(top_k.tolist()) == {0, 1, 2}
+    # top_p keeps a token while the mass of the tokens before it is below top_p
+    probs = filtered_probs(LOGITS[None], [SamplingParams(temperature=1.0, top_p=0.6, max_new_tokens=1)])[0]
+    kept = (probs > 0).nonzero().flatten().tolist()
+    full = torch.softmax(LOGITS, -1)
+    assert kept == [i for i in range(len(LOGITS)) if full[:i].sum() < 0.6]
+    top_p = draws(SamplingParams(temperature=1.0, top_p=0.6, max_new_tokens=1), 600)
+    assert set(top_p.tolist()) <= set(kept)
+
+
+def test_a_rows_draws_do_not_depend_on_the_rest_of_the_batch():
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=1)
+    alone = draws(p, 50)
+    mixed = draws(p, 50, others=[SamplingParams(max_new_tokens=1),  # greedy
+                                 SamplingParams(temperature=0.5, top_k=2, max_new_tokens=1, seed=9)])
+    assert torch.equal(alone, mixed)
+
+
+def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
+    batch = [SamplingParams(max_new_tokens=1), SamplingParams(temperature=2.0, max_new_tokens=1, seed=1)]
+    gens = [make_generator(q, torch.device("cpu"), 0) for q in batch]
+    logits = torch.stack([LOGITS.flip(0), LOGITS])
+    assert sample(logits, batch, gens)[0] == len(LOGITS) - 1
