@@ -1,6 +1,7 @@
 """Shared fixtures: small random checkpoints made once per test session."""
 
 import os
+import uuid
 
 import pytest
 import torch
@@ -48,3 +49,14 @@ def checkpoints(tmp_path_factory, texts):
 @pytest.fixture(scope="session")
 def tiny_dir(checkpoints):
     return checkpoints("llama-tied")
+
+
+@pytest.fixture
+def shm():
+    """A private directory in /dev/shm (a real tmpfs), removed afterwards."""
+    path = os.path.join("/dev/shm", f"o3edge-test-{uuid.uuid4().hex}")
+    os.mkdir(path)
+    yield path
+    for name in os.listdir(path):
+        os.unlink(os.path.join(path, name))
+    os.rmdir(path)

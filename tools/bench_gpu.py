@@ -133,8 +133,6 @@ def bench_hf(path, dtype, batches, energy):
         joules = energy.read() - e0 if e0 is not None else None
         rows[f"b{B}"] = dict(tok_s=B * (NEW - 1) / (wall - (t1 - t0)), e2e_tok_s=B * NEW / wall,
                              tok_j=B * NEW / joules if joules else None, runs=1)
-    del model
-    torch.cuda.empty_cache()
     return rows
 
 

@@ -53,6 +53,23 @@ def buckets(limit: int, start: int) -> list[int]:
     return out + [limit]
 
 
+def capture_graphs(sizes: list[int], forward, what: str) -> dict:
+    """size -> (graph, *outputs of forward(size)), captured largest first into one shared memory pool."""
+    graphs, pool = {}, None
+    for size in sorted(sizes, reverse=True):
+        for _ in range(2):  # warm up (Triton compiles here), as capture requires
+            forward(size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = forward(size)
+        pool = graph.pool()
+        graphs[size] = (graph, *outputs)
+    torch.cuda.synchronize()
+    log.info("captured %d %s graphs (%s)", len(graphs), what, sorted(graphs))
+    return graphs
+
+
 def decode_forward(model, meta: torch.Tensor, cos, sin, kv_cache, block_size: int, num_splits: int):
     """The whole decode step on fused kernels: meta [B, 3 + blocks] -> (logits [B, V] float32, greedy [B])."""
     from o3edge.engine.kernels.activation import silu_mul
@@ -122,20 +139,9 @@ class DecodeGraphs:
         return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, self.splits[B])
 
     def capture_all(self) -> None:
-        """Capture one graph per batch bucket, largest first, sharing one memory pool."""
-        pool = None
-        for B in reversed(self.batch_buckets):
-            for _ in range(2):  # warm up (Triton compiles here), as capture requires
-                self._forward(B)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits, tokens = self._forward(B)
-            pool = graph.pool()
-            self.graphs[B] = (graph, logits, tokens)
-        torch.cuda.synchronize()
-        log.info("captured %d decode graphs (batch %s, attention splits %s)", len(self.graphs),
-                 self.batch_buckets, self.splits)
+        """Capture one graph per batch bucket."""
+        self.graphs = capture_graphs(self.batch_buckets, self._forward, "decode")
+        log.info("decode attention splits by batch: %s", self.splits)
 
     def _launch(self, batch, B: int, ahead: int = 0, tokens: torch.Tensor | None = None):
         """Queue a step for batch, each sequence `ahead` positions past its computed tokens (with

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from o3edge.engine.cuda_graph import buckets
+from o3edge.engine.cuda_graph import buckets, capture_graphs
 from o3edge.engine.model import StepBatch
 
 log = logging.getLogger(__name__)
@@ -49,19 +49,8 @@ class PrefillGraphs:
         return logits, logits.argmax(-1)
 
     def capture_all(self) -> None:
-        """Capture one graph per token bucket, largest first, sharing one memory pool."""
-        pool = None
-        for T in reversed(self.token_buckets):
-            for _ in range(2):
-                self._forward(T)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits, tokens = self._forward(T)
-            pool = graph.pool()
-            self.graphs[T] = (graph, logits, tokens)
-        torch.cuda.synchronize()
-        log.info("captured %d prefill graphs (tokens %s)", len(self.graphs), self.token_buckets)
+        """Capture one graph per token bucket."""
+        self.graphs = capture_graphs(self.token_buckets, self._forward, "prefill")
 
     @torch.inference_mode()
     def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:

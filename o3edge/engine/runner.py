@@ -11,7 +11,7 @@ from o3edge.engine.cuda_graph import DecodeGraphs, block_tables, key_slots
 from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.prefill_graph import PrefillGraphs
 from o3edge.engine.rope import rope_tables
-from o3edge.engine.sampling import make_generator, sample
+from o3edge.engine.sampling import make_generator, pick_tokens
 from o3edge.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -71,16 +71,9 @@ class ModelRunner:
                 input_ids, positions, step = self.prepare(batch)
                 logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy (None: overwritten)
-        tokens: list[int | None] = [None] * len(batch)
-        if picked is not None:  # one small copy instead of the logits
-            for i in done:
-                tokens[i] = picked[i]
-        elif done:
-            seqs = [batch[i][0] for i in done]
-            picked = sample(logits[done], [s.params for s in seqs], [self._generator(s) for s in seqs])
-            for i, tok in zip(done, picked):
-                tokens[i] = tok
-        return tokens
+        if picked is None:
+            return pick_tokens(batch, logits, self._generator)
+        return [picked[i] if seq.num_computed_tokens + n == len(seq) else None for i, (seq, n) in enumerate(batch)]
 
     @torch.inference_mode()
     def prompt_logits(self, seq: Sequence) -> torch.Tensor:

@@ -56,3 +56,14 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
     return probs
+
+
+def pick_tokens(batch, logits: torch.Tensor, generator_for) -> list[int | None]:
+    """A token for each (sequence, new tokens) row whose prompt this step finishes (None elsewhere)."""
+    done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
+    tokens: list[int | None] = [None] * len(batch)
+    if done:
+        seqs = [batch[i][0] for i in done]
+        for i, tok in zip(done, sample(logits[done], [s.params for s in seqs], [generator_for(s) for s in seqs])):
+            tokens[i] = tok
+    return tokens

@@ -34,7 +34,6 @@ class OnnxDecoder(nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, *past):
         m = self.model
-        args = m.args
         B, T = input_ids.shape
         x = m.embed(input_ids)  # [B, T, D]
         cos, sin = self.cos[position_ids], self.sin[position_ids]  # [B, T, hd]

@@ -16,7 +16,7 @@ import os
 import numpy as np
 import torch
 
-from o3edge.engine.sampling import make_generator, sample
+from o3edge.engine.sampling import make_generator, pick_tokens
 from o3edge.errors import CheckpointError
 from o3edge.export.onnx_export import MANIFEST
 
@@ -82,14 +82,7 @@ class OrtRunner:
             rows.append(logits[-1])
         logits = torch.from_numpy(np.stack(rows).astype(np.float32))  # [B, V]
         self.last_logits = logits
-        done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
-        tokens: list[int | None] = [None] * len(batch)
-        if done:
-            seqs = [batch[i][0] for i in done]
-            picked = sample(logits[done], [s.params for s in seqs], [self._generator(s) for s in seqs])
-            for i, tok in zip(done, picked):
-                tokens[i] = tok
-        return tokens
+        return pick_tokens(batch, logits, self._generator)
 
     def _generator(self, seq):
         if seq.seq_id not in self.generators:

@@ -5,7 +5,6 @@ import logging
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 
@@ -15,17 +14,6 @@ from o3edge.engine.cold_tier import ColdTier, Entry, open_cold_tier, remove_unus
 
 BS, PAYLOAD = 8, 3 * 4096 + 100  # tokens per block; an odd slab size (padded to pages in the arena)
 ROOT = b"\x01" * 16
-
-
-@pytest.fixture
-def shm():
-    """A private directory in /dev/shm (a real tmpfs), removed afterwards."""
-    path = os.path.join("/dev/shm", f"o3edge-test-{uuid.uuid4().hex}")
-    os.mkdir(path)
-    yield path
-    for name in os.listdir(path):
-        os.unlink(os.path.join(path, name))
-    os.rmdir(path)
 
 
 def ident(n=0) -> bytes:

@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -17,16 +16,6 @@ SYSTEM = "You are a careful assistant who answers questions about the Python sta
 OTHER = "Weather report: rain over the hills, then sun in the afternoon and a cold night ahead. " * 4
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture
-def shm():
-    path = os.path.join("/dev/shm", f"o3edge-test-{uuid.uuid4().hex}")
-    os.mkdir(path)
-    yield path
-    for name in os.listdir(path):
-        os.unlink(os.path.join(path, name))
-    os.rmdir(path)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # pytest -m gpu runs the CUDA copies

@@ -4,24 +4,12 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 
-import pytest
 
 from conftest import REPO, DaemonProcess, clean_env, wait_for
 from o3edge.engine.tokenizer import Tokenizer
 from o3edge.ipc.client import O3Client
 from o3edge.tiny import corpus
-
-
-@pytest.fixture
-def shm():
-    path = os.path.join("/dev/shm", f"o3edge-test-{uuid.uuid4().hex}")
-    os.mkdir(path)
-    yield path
-    for name in os.listdir(path):
-        os.unlink(os.path.join(path, name))
-    os.rmdir(path)
 
 
 def cold_daemon(directory, model_dir, cold_dir, name="o3.sock", size_mb=64) -> DaemonProcess:
