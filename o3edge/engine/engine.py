@@ -11,6 +11,7 @@ import torch
 from o3edge.config import O3Config
 from o3edge.engine.block_manager import BlockManager
 from o3edge.engine.checkpoint import ModelArgs, fingerprint
+from o3edge.engine.cpu_quant import int8_tag
 from o3edge.engine.engine_dir import built_dtype
 from o3edge.engine.loader import load_model
 from o3edge.engine.quant import int4_tag
@@ -110,7 +111,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, args, device, dtype, num_blocks, config.kv_block_size, max_len, config.seed)
         if device.type == "cuda" and config.cuda_graphs:
             self.runner.enable_static_decode(config.max_num_seqs, capture=True)
-        fp = fingerprint(model_dir) + int4_tag(model)  # INT4 made at load changes the logits: not the same model
+        fp = fingerprint(model_dir) + int4_tag(model) + int8_tag(model)  # quantized logits: not the same model
         self.blocks = BlockManager(num_blocks, config.kv_block_size, f"{fp}:{dtype}", config.dynamic_kv_cache)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler.set_window(config.batch_window_ms, config.min_batch_size)

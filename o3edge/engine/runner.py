@@ -7,6 +7,7 @@ import logging
 import torch
 
 from o3edge.engine.checkpoint import ModelArgs
+from o3edge.engine.cpu_decode import CpuDecode
 from o3edge.engine.cuda_graph import DecodeGraphs, block_tables, key_slots
 from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.rope import rope_tables
@@ -30,6 +31,7 @@ class ModelRunner:
                                     args.head_dim, device=device, dtype=dtype)
         self.scratch_slot = num_blocks * block_size
         self.graphs: DecodeGraphs | None = None
+        self.cpu_decode = CpuDecode(block_size) if device.type == "cpu" else None
         self.generators: dict[int, torch.Generator | None] = {}
         self._seed = seed
         self.last_logits: torch.Tensor | None = None
@@ -52,7 +54,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):
             logits = self.graphs.run(batch)
         else:
-            input_ids, positions, step = self.prepare(batch)
+            prepared = self.cpu_decode.prepare(batch) if self.cpu_decode is not None else None
+            input_ids, positions, step = prepared or self.prepare(batch)
             logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]

@@ -1,0 +1,63 @@
+"""CPU decode steps: metadata built straight from the block tables, attention over the live prefix.
+
+A decode step (one new token per sequence) on the CPU spends most of its time in small ops, not in
+weights: the generic `ModelRunner.prepare` builds a padded key-slot table, a mask over whole blocks
+and gathers every layer's keys and values through it (two `index_select` per layer). Here, when each
+sequence's blocks are consecutive in the pool (the usual case: the allocator hands out free blocks in
+order), its keys are one slice of the cache, `[start, start + length)`, that attention reads as a
+view: no gather, no mask, exactly the live prefix. Steps that do not fit (prefill chunks, scattered
+blocks) fall back to the generic path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def contiguous_start(table: list[int], num_blocks: int) -> int | None:
+    """The first block id if the first num_blocks blocks of the table are consecutive, else None."""
+    first = table[0]
+    return first if table[num_blocks - 1] - first == num_blocks - 1 and all(
+        b == first + i for i, b in enumerate(table[:num_blocks])) else None
+
+
+class CpuDecode:
+    """Builds the inputs of a CPU decode step; `prepare` returns None when the step does not fit."""
+
+    def __init__(self, block_size: int, max_batch: int = 8):
+        self.block_size, self.max_batch = block_size, max_batch
+
+    def prepare(self, batch):
+        """(input ids [B], positions [B], StepBatch with kv_spans) or None."""
+        if len(batch) > self.max_batch or any(n != 1 for _, n in batch):
+            return None
+        bs = self.block_size
+        ids, pos, slots, spans = [], [], [], []
+        for seq, _ in batch:
+            p = seq.num_computed_tokens  # position of the new token; keys are [0, p]
+            start = contiguous_start(seq.block_table, p // bs + 1)
+            if start is None:
+                return None
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(start * bs + p)
+            spans.append((start * bs, start * bs + p + 1))
+        from o3edge.engine.model import StepBatch  # model.py imports span_attention from here
+
+        B = len(batch)
+        slot_mapping = torch.tensor(slots)
+        arange = torch.arange(B)
+        step = StepBatch(slot_mapping=slot_mapping, q_dest=arange, kv_slots=slot_mapping[:, None], attn_mask=None,
+                         num_seqs=B, max_q=1, logits_index=arange, dense=True, kv_spans=tuple(spans))
+        return torch.tensor(ids), torch.tensor(pos), step
+
+
+def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans) -> torch.Tensor:
+    """q: [B, H, hd], one new token per sequence; keys of sequence b are cache slots spans[b] -> [B, H, hd]."""
+    outs = []
+    for b, (start, end) in enumerate(spans):
+        k = k_cache[start:end].transpose(0, 1)[None]  # [1, KVH, S, hd], a view
+        v = v_cache[start:end].transpose(0, 1)[None]
+        out = torch.nn.functional.scaled_dot_product_attention(q[b, None, :, None], k, v, enable_gqa=True)
+        outs.append(out.view(1, *q.shape[1:]))  # [1, H, hd]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
