@@ -11,6 +11,9 @@ blocks) fall back to the generic path.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -61,3 +64,10 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         out = torch.nn.functional.scaled_dot_product_attention(q[b, None, :, None], k, v, enable_gqa=True)
         outs.append(out.view(1, *q.shape[1:]))  # [1, H, hd]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in anonymous memory whose pages the OS maps on first write: a KV pool allocated this
+    way adds to resident memory only as the cache fills (torch.zeros writes every page up front)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)

@@ -126,7 +126,8 @@ def load_model(model_dir: str, device: torch.device, dtype: torch.dtype, int4_ff
         args = read_model_args(model_dir)
         group = int4_group_size if int4_ffn else None
         state = build_state_dict(args, load_tensors(model_dir), dtype, group)
-    model = instantiate(args, state, device, group)
+    # engine dir: drop each INT8 tensor's file pages as soon as it is packed, so they never pile up
+    model = instantiate(args, state, device, group, release=_release_memory if mapped else None)
     if mapped:
         _release_memory(mapped)
     return model, args
@@ -174,8 +175,10 @@ def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size
     return manifest.args, state, group, stored
 
 
-def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: int | None) -> Transformer:
-    """Build the model on meta, swap in Int4Linear where state holds INT4, assign the tensors."""
+def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: int | None,
+                release: Callable[[list[torch.Tensor]], None] | None = None) -> Transformer:
+    """Build the model on meta, swap in Int4Linear / Int8Linear where state holds INT4 / INT8, assign the
+    tensors; release([tensor]) after each INT8 layer is packed (engine dirs: drop its file pages)."""
     int4_names = sorted(k.removesuffix(".qweight") for k in state if k.endswith(".qweight"))
     int8_names = sorted(k.removesuffix(".qweight8") for k in state if k.endswith(".qweight8"))
     with on_meta():
@@ -197,4 +200,6 @@ def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: 
             module.load_quantized(state[name + ".qweight8"], state[name + ".scales8"])
         except (KeyError, ValueError) as exc:
             raise CheckpointError(f"INT8 weights of {name}: {exc}") from None
+        if release is not None:
+            release([state[name + ".qweight8"]])
     return model.to(device).eval().requires_grad_(False)

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from o3edge.engine.checkpoint import ModelArgs
-from o3edge.engine.cpu_decode import CpuDecode
+from o3edge.engine.cpu_decode import CpuDecode, lazy_zeros
 from o3edge.engine.cuda_graph import DecodeGraphs, block_tables, key_slots
 from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.rope import rope_tables
@@ -27,8 +27,9 @@ class ModelRunner:
         self.cos, self.sin = rope_tables(args, max_model_len, device, dtype)
         # the whole KV pool, allocated once: [layers, K/V, slots, kv_heads, head_dim]; one extra
         # block at the end is scratch space that padded rows of static-shape steps write into
-        self.kv_cache = torch.zeros(args.num_layers, 2, (num_blocks + 1) * block_size, args.num_kv_heads,
-                                    args.head_dim, device=device, dtype=dtype)
+        shape = (args.num_layers, 2, (num_blocks + 1) * block_size, args.num_kv_heads, args.head_dim)
+        self.kv_cache = lazy_zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, device=device,
+                                                                                           dtype=dtype)
         self.scratch_slot = num_blocks * block_size
         self.graphs: DecodeGraphs | None = None
         self.cpu_decode = CpuDecode(block_size) if device.type == "cpu" else None
