@@ -11,6 +11,7 @@ import torch
 from o3edge.config import O3Config
 from o3edge.engine.block_manager import BlockManager
 from o3edge.engine.checkpoint import ModelArgs, fingerprint
+from o3edge.engine.cpu_decode import default_num_threads
 from o3edge.engine.cpu_quant import int8_tag
 from o3edge.engine.engine_dir import built_dtype
 from o3edge.engine.loader import load_model
@@ -99,9 +100,9 @@ class LLMEngine:
     def __init__(self, config: O3Config, model_dir: str):
         t0 = time.perf_counter()
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
+        if config.num_threads or device.type == "cpu":
+            torch.set_num_threads(config.num_threads or default_num_threads())
         if device.type == "cpu":
             torch.set_flush_denormal(True)  # x86 runs denormal floats in microcode: up to 4x slower steps
         dtype = resolve_dtype(config.dtype, device, built_dtype(model_dir))

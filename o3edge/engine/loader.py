@@ -19,7 +19,7 @@ from o3edge.engine.checkpoint import ModelArgs, load_tensors, read_model_args
 from o3edge.engine.cpu_quant import LM_HEAD, Preset, int8_targets, quantize_int8, swap_to_int8
 from o3edge.engine.cpu_quant import SUFFIXES as INT8_SUFFIXES
 from o3edge.engine.engine_dir import is_engine_dir, load_weights, read_manifest
-from o3edge.engine.model import Transformer, hf_weight_map
+from o3edge.engine.model import RMSNorm, Transformer, hf_weight_map
 from o3edge.engine.quant import quantizable, quantize_int4, swap_to_int4
 from o3edge.errors import CheckpointError
 
@@ -202,4 +202,8 @@ def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: 
             raise CheckpointError(f"INT8 weights of {name}: {exc}") from None
         if release is not None:
             release([state[name + ".qweight8"]])
+    if int8:  # a quantized engine does not keep transformers' exact norm rounding: take the fused op
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = True
     return model.to(device).eval().requires_grad_(False)

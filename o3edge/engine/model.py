@@ -37,9 +37,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False  # set for CPU INT8 engines (loader.py): one op instead of seven, no transformers rounding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused kernel instead of seven: decode is launch-bound on the GPU
+        if x.is_cuda or self.fused:  # one fused kernel instead of seven: decode is launch-bound on the GPU
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # in float32, cast back before the weight: the same rounding as transformers
         x32 = x.float()

@@ -1,5 +1,7 @@
 """CPU presets: INT8 layers, kernel choice and its fallbacks, preset engine builds that load and generate."""
 
+import os
+
 import pytest
 import torch
 
@@ -137,3 +139,12 @@ def test_scattered_blocks_take_the_generic_path():
     assert contiguous_start([4, 5, 7], 3) is None
     z = lazy_zeros((3, 5), torch.float32)
     assert z.shape == (3, 5) and not z.any()
+
+
+def test_default_thread_count_is_physical_cores_capped(monkeypatch):
+    from o3edge.engine import cpu_decode
+
+    n = cpu_decode.default_num_threads()
+    assert 1 <= n <= min(8, len(os.sched_getaffinity(0)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert cpu_decode.default_num_threads() <= 8
