@@ -28,8 +28,9 @@ def contiguous_start(table: list[int], num_blocks: int) -> int | None:
 class CpuDecode:
     """Builds the inputs of a CPU decode step; `prepare` returns None when the step does not fit."""
 
-    def __init__(self, block_size: int, max_batch: int = 8):
+    def __init__(self, block_size: int, max_batch: int = 8, fast_forward: bool = False):
         self.block_size, self.max_batch = block_size, max_batch
+        self.fast_forward = fast_forward  # run decode_forward instead of the model's own forward
 
     def prepare(self, batch):
         """(input ids [B], positions [B], StepBatch with kv_spans) or None."""
@@ -86,3 +87,49 @@ def default_num_threads(limit: int = 8) -> int:
         except OSError:
             cores.add(str(cpu))
     return max(1, min(limit, len(cores)))
+
+
+def rope_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos, sin: [B, hd] -> R [B, hd, hd] with x @ R == apply_rope(x) (rotate-half convention).
+
+    Built once per step, it turns each layer's RoPE (slices, a concatenation, a negation, two products
+    and a sum) into one small batched matmul."""
+    B, hd = cos.shape
+    half = hd // 2
+    perm = torch.zeros(hd, hd, dtype=cos.dtype)
+    idx = torch.arange(half)
+    perm[idx + half, idx] = -1.0  # out[i] gets -x[i + half] * sin[i] for i < half
+    perm[idx, idx + half] = 1.0  # and x[i - half] * sin[i] for i >= half
+    return torch.diag_embed(cos) + perm * sin[:, None, :]
+
+
+@torch.inference_mode()
+def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                   sin_table: torch.Tensor, step, kv_cache: torch.Tensor) -> torch.Tensor:
+    """The model's forward for a CPU decode step (one new token per sequence, keys in spans), with fewer
+    small ops than Transformer.forward: RoPE as a matmul, norms fused. Same modules, same weights.
+
+    input_ids, positions: [B]; kv_cache: [L, 2, slots, KVH, hd] -> logits [B, V] float32."""
+    args = model.args
+    H, KVH, hd = args.num_heads, args.num_kv_heads, args.head_dim
+    B = input_ids.shape[0]
+    rope = rope_matrices(cos_table[positions], sin_table[positions])  # [B, hd, hd]
+    x = model.embed(input_ids)  # [B, D]
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.attn, layer.mlp
+        qkv = attn.qkv(layer.input_norm(x)).view(B, H + 2 * KVH, hd)
+        qk, v = qkv[:, :H + KVH], qkv[:, H + KVH:]
+        if attn.q_norm is not None:
+            qk = torch.cat((attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])), dim=1)
+        qk = torch.bmm(qk, rope)  # [B, H + KVH, hd]
+        k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+        k_cache.index_copy_(0, step.slot_mapping, qk[:, H:])
+        v_cache.index_copy_(0, step.slot_mapping, v)
+        out = span_attention(qk[:, :H], k_cache, v_cache, step.kv_spans)  # [B, H, hd]
+        x = x + attn.o(out.reshape(B, H * hd))
+        gate, up = mlp.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
+        x = x + mlp.down(torch.nn.functional.silu(gate) * up)
+    x = model.norm(x)
+    if model.lm_head is None:
+        return torch.nn.functional.linear(x, model.embed.weight).float()
+    return model.lm_head(x).float()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 
 from o3edge.engine.checkpoint import ModelArgs
-from o3edge.engine.cpu_decode import CpuDecode, lazy_zeros
+from o3edge.engine.cpu_decode import CpuDecode, decode_forward, lazy_zeros
+from o3edge.engine.cpu_quant import int8_tag
 from o3edge.engine.cuda_graph import DecodeGraphs, block_tables, key_slots
 from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.rope import rope_tables
@@ -32,7 +34,8 @@ class ModelRunner:
                                                                                            dtype=dtype)
         self.scratch_slot = num_blocks * block_size
         self.graphs: DecodeGraphs | None = None
-        self.cpu_decode = CpuDecode(block_size) if device.type == "cpu" else None
+        # INT8 engines decode through cpu_decode.decode_forward; float32 keeps the model's exact forward
+        self.cpu_decode = CpuDecode(block_size, fast_forward=int8_tag(model) != "") if device.type == "cpu" else None
         self.generators: dict[int, torch.Generator | None] = {}
         self._seed = seed
         self.last_logits: torch.Tensor | None = None
@@ -57,7 +60,8 @@ class ModelRunner:
         else:
             prepared = self.cpu_decode.prepare(batch) if self.cpu_decode is not None else None
             input_ids, positions, step = prepared or self.prepare(batch)
-            logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
+            forward = partial(decode_forward, self.model) if prepared and self.cpu_decode.fast_forward else self.model
+            logits = forward(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
         tokens: list[int | None] = [None] * len(batch)

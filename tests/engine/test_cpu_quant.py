@@ -148,3 +148,23 @@ def test_default_thread_count_is_physical_cores_capped(monkeypatch):
     assert 1 <= n <= min(8, len(os.sched_getaffinity(0)))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert cpu_decode.default_num_threads() <= 8
+
+
+@pytest.mark.parametrize("variant", ["llama-tied", "qwen2-bias", "qwen3-qknorm"])
+def test_int8_decode_forward_matches_the_model_forward(presets, variant):
+    """INT8 engines decode through cpu_decode.decode_forward (RoPE as a matmul); it computes the same step."""
+    engine = O3Model.from_config(O3Config(model_path=presets(variant, "cpu-int8"), device="cpu")).engine
+    runner = engine.runner
+    assert runner.cpu_decode.fast_forward
+    ids = engine.encode("def main():\n    return")
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    logits = {}
+    for fast in (True, False):
+        runner.cpu_decode.fast_forward = fast
+        engine.add_request(f"r{fast}", ids, params)
+        steps = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps.append(runner.last_logits.clone())
+        logits[fast] = torch.cat(steps)
+    torch.testing.assert_close(logits[True], logits[False], atol=2e-3 * logits[False].abs().max().item(), rtol=0)
