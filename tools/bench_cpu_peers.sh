@@ -5,7 +5,7 @@
 # definitions: batch 1, 2 threads, the peers' 128-token prompt, 128 greedy tokens, 1 warm-up + 3 timed runs,
 # whole generations timed from outside the engine, peak RSS of the process. PASSES rounds, each system once
 # per round, so slow phases of this shared machine hit every system alike.
-# Usage: [PASSES=3] [THREADS=2] bash tools/bench_cpu_peers.sh [OUT_DIR] [JSON]
+# Usage: [PASSES=3] [THREADS=2] [FP32=1] bash tools/bench_cpu_peers.sh [OUT_DIR] [JSON]   (FP32=0: no float32 row)
 set -euo pipefail
 WORK=${WORK:-/tmp/peer-cpu}
 PASSES=${PASSES:-3}
@@ -37,7 +37,7 @@ for p in $(seq 1 "$PASSES"); do
   o3 "o3edge cpu-int8" "$WORK/o3/smol-135m-cpu-int8" "$p"
   llama "llama.cpp Q8_0" Q8_0 "$p"
   o3 "o3edge cpu-int4" "$WORK/o3/smol-135m-cpu-int4" "$p"
-  o3 "o3edge fp32" "$CKPT" "$p"
+  [ "${FP32:-1}" = 0 ] || o3 "o3edge fp32" "$CKPT" "$p"
 done
 $PY "$HERE/bench_cpu_report.py" "$OUT" --json "$JSON" \
-  --command "PASSES=$PASSES THREADS=$THREADS bash tools/bench_cpu_peers.sh" | tee "$OUT/table.md"
+  --command "PASSES=$PASSES THREADS=$THREADS FP32=${FP32:-1} bash tools/bench_cpu_peers.sh" | tee "$OUT/table.md"

@@ -57,11 +57,13 @@ def main() -> None:
     table = {n: {k: cell(rows[n], k) for k in ("ttft_ms", "decode_tps")} for n in names}
     for n in names:
         table[n]["peak_rss_mb"] = statistics.median(r["peak_rss_mb"] for r in rows[n])
+    threads = sorted({r["threads"] for rs in rows.values() for r in rs})
+    threads = threads[0] if len(threads) == 1 else threads
     base = table.get("llama.cpp Q4_0")
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"- date: {date}\n- command: `{a.command}`\n- machine: {machine()}\n"
           f"- passes: {len(next(iter(rows.values())))}, each system in its own process, interleaved within each "
-          f"pass; 2 threads; 128-token prompt, 128 greedy tokens; 1 warm-up + 3 timed runs per pass\n"
+          f"pass; {threads} threads; 128-token prompt, 128 greedy tokens; 1 warm-up + 3 timed runs per pass\n"
           f"- load average (1 min) at the starts and ends of the processes: {min(loads):.1f}–{max(loads):.1f}\n")
     print("| system | TTFT (ms) | decode b=1 (tok/s) | peak RSS (MB) | decode / Q4_0 | TTFT / Q4_0 | RSS / Q4_0 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -74,7 +76,7 @@ def main() -> None:
               + " | ".join(ratios) + " |")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"date": date, "command": a.command, "machine": machine(), "loadavg_range": [min(loads), max(loads)],
+            json.dump({"date": date, "command": a.command, "threads": threads, "machine": machine(), "loadavg_range": [min(loads), max(loads)],
                        "table": table, "results": rows}, fh, indent=1)
 
 

@@ -15,6 +15,7 @@ kernel, and the layout it wants, is picked when the engine loads (`pick_int8_ker
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -41,14 +42,15 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales.float()[:, None]
 
 
-def cpu_features() -> set[str]:
+@functools.cache
+def cpu_features() -> frozenset[str]:
     """Instruction-set flags of this CPU that matter for the kernels (Linux; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as fh:
             line = next((ln for ln in fh if ln.startswith("flags")), "")
     except OSError:
-        return set()
-    return set(line.split(":", 1)[-1].split()) & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
+        return frozenset()
+    return frozenset(line.split(":", 1)[-1].split()) & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
                                                    "amx_int8", "amx_bf16"}
 
 
@@ -75,7 +77,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.kernel = pick_int8_kernel(kernel)
-        self.reduce_range = "avx512_vnni" not in cpu_features() and "avx_vnni" not in cpu_features()
+        self.reduce_range = not {"avx512_vnni", "avx_vnni"} & cpu_features()
         self.packed = None  # fbgemm's packed weight (a torchbind object, not a tensor)
         self.register_buffer("weight", torch.empty(0, dtype=torch.int8), persistent=False)
         self.register_buffer("scales", torch.empty(0), persistent=False)
