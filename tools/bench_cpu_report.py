@@ -76,7 +76,8 @@ def main() -> None:
               + " | ".join(ratios) + " |")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"date": date, "command": a.command, "threads": threads, "machine": machine(), "loadavg_range": [min(loads), max(loads)],
+            json.dump({"date": date, "command": a.command, "threads": threads, "machine": machine(),
+                       "loadavg_range": [min(loads), max(loads)],
                        "table": table, "results": rows}, fh, indent=1)
 
 

@@ -121,7 +121,8 @@ def load_model(model_dir: str, device: torch.device, dtype: torch.dtype, int4_ff
     mapped = []  # INT4/INT8 tensors read from the engine file (mmap), packed into copies by instantiate
     if is_engine_dir(model_dir):
         args, state, group, stored = _engine_state(model_dir, dtype, int4_ffn, int4_group_size)
-        mapped = [state[f"{name}.qweight"] for name in stored] + [v for k, v in state.items() if k.endswith(".qweight8")]
+        mapped = [state[f"{name}.qweight"] for name in stored]
+        mapped += [v for k, v in state.items() if k.endswith(".qweight8")]
     else:
         args = read_model_args(model_dir)
         group = int4_group_size if int4_ffn else None
