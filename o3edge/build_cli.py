@@ -1,6 +1,7 @@
 """`o3edge build`: turn a Hugging Face checkpoint into an engine directory; `o3edge inspect`: show one.
 
   o3edge build SRC OUT [--int4-ffn/--no-int4-ffn] [--group-size 128] [--dtype bfloat16] [--check]
+  o3edge build SRC OUT --preset cpu-int8|cpu-int4 [--check]
   o3edge inspect ENGINE_DIR
 """
 
@@ -33,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="dtype of everything not INT4 (default: bfloat16; float32 runs faster on CPUs "
                         "without native bf16)")
+    b.add_argument("--preset", choices=("cpu-int8", "cpu-int4"), default=None,
+                   help="a CPU engine: cpu-int8 = every linear and the LM head INT8 (fastest on CPU); "
+                        "cpu-int4 = FFN INT4 g32, the rest INT8 (smallest). Sets dtype and INT4 itself")
     b.add_argument("--check", action="store_true",
                    help="compute the precision-alignment report against the float32 source; store it in the manifest")
     b.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt for --check (default 32)")
@@ -76,12 +80,16 @@ def build(a: argparse.Namespace, console: Console) -> int:
     total = len(hf_weight_map(read_model_args(a.src)))
     group = a.group_size if a.int4_ffn else None
     what = f"{a.dtype}" + (f" + INT4 FFN (group {a.group_size})" if group else "")
+    if a.preset:
+        from o3edge.engine.cpu_quant import PRESETS
+
+        what = f"preset {a.preset}: {PRESETS[a.preset].summary}"
     console.print(f"building {a.out} from {a.src}: {what}", markup=False)
     with _progress(console, total) as step:
-        manifest = build_engine_dir(a.src, a.out, getattr(torch, a.dtype), group, a.force, step)
+        manifest = build_engine_dir(a.src, a.out, getattr(torch, a.dtype), group, a.force, step, a.preset)
     size = manifest.raw["weights"]["bytes"]
     console.print(f"wrote {a.out}: {size / 2**20:.1f} MiB of weights, {len(manifest.quantized)} INT4 modules, "
-                  f"{time.perf_counter() - t0:.1f} s", markup=False)
+                  f"{len(manifest.int8_modules)} INT8 modules, {time.perf_counter() - t0:.1f} s", markup=False)
     if a.check:
         check(a, manifest, console)
     return 0
@@ -180,7 +188,9 @@ def inspect(engine_dir: str, console: Console) -> int:
         return 0
     m = read_manifest(engine_dir)
     raw, args = m.raw, m.args
-    quant = f"INT4 group {m.group_size}, {len(m.quantized)} modules" if m.group_size else "none"
+    parts = ([f"INT4 group {m.group_size}, {len(m.quantized)} modules"] if m.group_size else []) + (
+        [f"INT8 {len(m.int8_modules)} modules"] if m.int8_modules else [])
+    quant = "; ".join(parts) + (f" (preset {m.preset})" if m.preset else "") if parts else "none"
     lines = [f"engine      {os.path.abspath(engine_dir)} (format {raw['format_version']})",
              f"model       {args.family}: {args.num_layers} layers, hidden {args.hidden_size}, "
              f"{args.num_heads}/{args.num_kv_heads} heads, FFN {args.intermediate_size}, vocab {args.vocab_size}",

@@ -36,7 +36,7 @@ class O3Config:
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     batch_window_ms: int = 0  # with an idle engine, wait up to this long for min_batch_size requests
     min_batch_size: int = 1
-    num_threads: int | None = None  # CPU threads for torch; None: torch's default (one per core)
+    num_threads: int | None = None  # CPU threads for torch; None: physical cores, at most 8 (cpu_decode.py)
     seed: int = 0
     backend: str = "torch"  # "onnxruntime": serve an `o3edge export` directory through ONNX Runtime
 

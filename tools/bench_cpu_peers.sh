@@ -1,23 +1,43 @@
 #!/usr/bin/env bash
-# o3edge beside llama.cpp (Q4_0, F16) and transformers on the same smol-135m checkpoint, one run.
-# Needs the CPU peers set up first: bash ../shared/peers/cpu/setup.sh (WORK=/tmp/peer-cpu, ~20 min).
-# Usage: bash tools/bench_cpu_peers.sh [OUT_DIR]
+# o3edge's CPU presets beside llama.cpp (Q4_0, Q8_0) on the same smol-135m checkpoint, interleaved in one run.
+# Needs the CPU peers set up first: WORK=/tmp/peer-cpu bash ../shared/peers/cpu/setup.sh (~15 min on 2 cores).
+# Every system runs in its own process (tools/bench_cpu_o3.py, the peers' bench_llamacpp.py) with the same
+# definitions: batch 1, 2 threads, the peers' 128-token prompt, 128 greedy tokens, 1 warm-up + 3 timed runs,
+# whole generations timed from outside the engine, peak RSS of the process. PASSES rounds, each system once
+# per round, so slow phases of this shared machine hit every system alike.
+# Usage: [PASSES=3] [THREADS=2] [FP32=1] bash tools/bench_cpu_peers.sh [OUT_DIR] [JSON]   (FP32=0: no float32 row)
 set -euo pipefail
 WORK=${WORK:-/tmp/peer-cpu}
-PEERS=$(cd "$(dirname "$0")/../../shared/peers/cpu" 2>/dev/null && pwd || echo /work/shared/peers/cpu)
+PASSES=${PASSES:-3}
+THREADS=${THREADS:-2}
+HERE=$(cd "$(dirname "$0")" && pwd)
+PEERS=$(cd "$HERE/../../shared/peers/cpu" 2>/dev/null && pwd || echo /work/shared/peers/cpu)
 OUT=${1:-/tmp/o3edge-cpu-peers}
-mkdir -p "$OUT"
-echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-for q in Q4_0 F16; do
-  "$WORK/venv/bin/python" "$PEERS/bench_llamacpp.py" "$WORK/gguf/smol-135m-$q.gguf" "$WORK/models/prompt_smol-135m.json" \
-    --runs 3 --warmup 1 --threads 2 --out "$OUT/llamacpp_$q.json" > "$OUT/llamacpp_$q.log" 2>&1
-  python3 - "$OUT/llamacpp_$q.json" "$q" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-med = {k: v for k, v in r.items() if not isinstance(v, (list, dict))}
-print(f"llama.cpp {sys.argv[2]}:", {k: med[k] for k in sorted(med) if any(s in k for s in ("ttft", "decode", "rss"))})
-PY
+JSON=${2:-$OUT/cpu-peers.json}
+PROMPT=$WORK/models/prompt_smol-135m.json
+CKPT=$WORK/models/smol-135m
+PY=${PYTHON:-python3}
+rm -rf "$OUT" && mkdir -p "$OUT"
+for preset in cpu-int8 cpu-int4; do  # engine dirs, built once from the peers' own checkpoint
+  [ -f "$WORK/o3/smol-135m-$preset/manifest.json" ] || \
+    PYTHONPATH="$HERE/.." $PY -m o3edge.build_cli build "$CKPT" "$WORK/o3/smol-135m-$preset" --preset "$preset" --force
 done
-python3 "$(dirname "$0")/bench_engine.py" decode "$WORK/models/smol-135m" --tokens 64 --reps 3 --batches 1 \
-  --variants hf-fp32 o3-fp32 o3-int4 --threads 2 | tee "$OUT/o3edge.md"
-echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+llama() {  # name quant pass
+  "$WORK/venv/bin/python" "$PEERS/bench_llamacpp.py" "$WORK/gguf/smol-135m-$2.gguf" "$PROMPT" --runs 3 --warmup 1 \
+    --threads "$THREADS" --out "$OUT/pass$3/$1.json" > /dev/null
+}
+o3() {  # name model pass
+  PYTHONPATH="$HERE/.." $PY "$HERE/bench_cpu_o3.py" "$2" "$PROMPT" --runs 3 --warmup 1 --threads "$THREADS" \
+    --label "$1" --profile 15 --out "$OUT/pass$3/$1.json" > /dev/null 2>&1
+}
+for p in $(seq 1 "$PASSES"); do
+  mkdir -p "$OUT/pass$p"
+  echo "pass $p, load $(cut -d' ' -f1-3 /proc/loadavg)"
+  llama "llama.cpp Q4_0" Q4_0 "$p"
+  o3 "o3edge cpu-int8" "$WORK/o3/smol-135m-cpu-int8" "$p"
+  llama "llama.cpp Q8_0" Q8_0 "$p"
+  o3 "o3edge cpu-int4" "$WORK/o3/smol-135m-cpu-int4" "$p"
+  [ "${FP32:-1}" = 0 ] || o3 "o3edge fp32" "$CKPT" "$p"
+done
+$PY "$HERE/bench_cpu_report.py" "$OUT" --json "$JSON" \
+  --command "PASSES=$PASSES THREADS=$THREADS FP32=${FP32:-1} bash tools/bench_cpu_peers.sh" | tee "$OUT/table.md"

@@ -2,6 +2,7 @@
 """Held-out quality of the reference model under each engine precision, against FP32 and transformers.
 
   python tools/eval_reference.py [--model DIR] [--tokens 20000] [--window 512] [--write docs/benchmarks.md]
+                                 [--preset cpu-int8 cpu-int4] [--only FP32 ...]
 
 The held-out documentation pages of tools/reference_corpus.py (never trained on) are tokenized,
 joined by <|endoftext|>, cut to --tokens and split into windows of --window tokens. Every engine
@@ -20,6 +21,7 @@ import os
 import platform
 import re
 import sys
+import tempfile
 import time
 
 import torch
@@ -60,6 +62,8 @@ def held_out_windows(tokenizer, data: str | None, num_tokens: int, window: int) 
 
 def make_engine(model_dir: str, dtype: str, group: int | None, window: int) -> LLMEngine | None:
     """An engine for one variant, or None when this build cannot make it (INT4 not yet there, say)."""
+    if dtype.startswith("preset:"):  # an engine directory built with `o3edge build --preset`
+        model_dir, dtype = dtype.removeprefix("preset:"), "auto"
     cfg = O3Config(model_path=model_dir, device="cpu", dtype=dtype, int4_ffn=group is not None,
                    int4_group_size=group or 128, num_kv_blocks=window // 32 + 2, cuda_graphs=False)
     try:
@@ -109,9 +113,10 @@ def hf_scorer(model_dir: str):
     return score
 
 
-def evaluate(model_dir: str, wins: list[list[int]], window: int, with_hf: bool = True) -> tuple[list, float | None]:
+def evaluate(model_dir: str, wins: list[list[int]], window: int, with_hf: bool = True,
+             variants: list | None = None) -> tuple[list, float | None]:
     """One row per variant (None where unavailable) and transformers' largest logit difference from FP32."""
-    engines = [(label, make_engine(model_dir, dtype, g, window)) for label, dtype, g in VARIANTS]
+    engines = [(label, make_engine(model_dir, dtype, g, window)) for label, dtype, g in variants or VARIANTS]
     hf = hf_scorer(model_dir) if with_hf else None
     tallies = {label: Tally() for label, e in engines if e is not None}
     hf_tally, max_diff = Tally(), 0.0
@@ -190,6 +195,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--write", default=None, help="markdown file to put the table in (e.g. docs/benchmarks.md)")
+    ap.add_argument("--preset", nargs="*", default=[], choices=("cpu-int8", "cpu-int4"),
+                    help="also score engine directories built with `o3edge build --preset` (built in a temp dir)")
+    ap.add_argument("--only", nargs="*", default=None, help="score only these variant labels (FP32 always)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     torch.set_num_threads(a.threads)
@@ -199,7 +207,16 @@ def main(argv=None):
     wins = held_out_windows(probe.tokenizer, a.data, a.tokens, a.window)
     params = sum(p.numel() for p in probe.runner.model.parameters())
     del probe
-    rows, max_diff = evaluate(model_dir, wins, a.window, not a.no_transformers)
+    variants = [v for v in VARIANTS if a.only is None or v[0] == "FP32" or v[0] in a.only]
+    tmp = tempfile.TemporaryDirectory()
+    for preset in a.preset:
+        from o3edge.engine.engine_dir import build_engine_dir
+
+        out = os.path.join(tmp.name, preset)
+        build_engine_dir(model_dir, out, torch.float32, None, preset=preset)
+        variants.append((f"preset {preset}", f"preset:{out}", None))
+    rows, max_diff = evaluate(model_dir, wins, a.window, not a.no_transformers, variants)
+    tmp.cleanup()
     meta = dict(model=os.path.relpath(model_dir, REPO) if model_dir.startswith(REPO) else model_dir,
                 params=params, tokens=len(wins) * a.window, windows=len(wins), window=a.window,
                 date=datetime.date.today().isoformat(), machine=machine(), seconds=time.time() - t0,

@@ -12,6 +12,8 @@ from o3edge.config import O3Config
 from o3edge.engine.block_manager import BlockManager
 from o3edge.engine.checkpoint import ModelArgs, fingerprint, read_model_args, weight_files
 from o3edge.engine.cold_tier import model_identity, open_cold_tier
+from o3edge.engine.cpu_decode import default_num_threads
+from o3edge.engine.cpu_quant import int8_tag
 from o3edge.engine.engine_dir import built_dtype
 from o3edge.engine.loader import load_model
 from o3edge.engine.quant import int4_tag
@@ -101,9 +103,11 @@ class LLMEngine:
     def __init__(self, config: O3Config, model_dir: str):
         t0 = time.perf_counter()
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
+        if config.num_threads or device.type == "cpu":
+            torch.set_num_threads(config.num_threads or default_num_threads())
+        if device.type == "cpu":
+            torch.set_flush_denormal(True)  # x86 runs denormal floats in microcode: up to 4x slower steps
         onnx = config.backend == "onnxruntime"
         if onnx:  # an `o3edge export` directory, run by ONNX Runtime
             from o3edge.export.ort_runner import OrtRunner, onnx_dtype, onnx_fingerprint
@@ -112,13 +116,13 @@ class LLMEngine:
         else:
             dtype = resolve_dtype(config.dtype, device, built_dtype(model_dir))
             model, args = load_model(model_dir, device, dtype, config.int4_ffn, config.int4_group_size)
-            fp = fingerprint(model_dir) + int4_tag(model)  # INT4 made at load changes the logits: not the same model
+            fp = fingerprint(model_dir) + int4_tag(model) + int8_tag(model)  # quantized logits: not the same model
         self.tokenizer = Tokenizer(model_dir)
         max_len = min(config.max_model_len or min(args.max_position_embeddings, 4096), args.max_position_embeddings)
         block_bytes = ModelRunner.block_bytes(args, config.kv_block_size, dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_mb * (1 << 20) // block_bytes)
         if onnx:
-            self.runner = OrtRunner(model_dir, device, config.num_threads, config.seed)
+            self.runner = OrtRunner(model_dir, device, config.num_threads or default_num_threads(), config.seed)
         else:
             self.runner = ModelRunner(model, args, device, dtype, num_blocks, config.kv_block_size, max_len,
                                       config.seed)

@@ -2,7 +2,8 @@
 
     manifest.json        what was built from what, and how (format below; FORMAT_VERSION)
     model.safetensors    our parameter names, fused (attn.qkv, mlp.gate_up), in the built dtype;
-                         INT4 modules as <name>.qweight (uint8) + <name>.scales_and_zeros (bf16)
+                         INT4 modules as <name>.qweight (uint8) + <name>.scales_and_zeros (bf16);
+                         INT8 modules (CPU presets) as <name>.qweight8 (int8) + <name>.scales8 (float32)
     tokenizer.json ...   copied from the source checkpoint (config.json too, for other tools)
 
 Loading one is mmap + assign: no renaming, no fusing, no quantization.
@@ -24,11 +25,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from o3edge.engine.checkpoint import ModelArgs, fingerprint, load_tensors, read_json, read_model_args
+from o3edge.engine import cpu_quant
 from o3edge.engine.quant import GROUP_SIZES, SCHEME
 from o3edge.errors import CheckpointError
 
 FORMAT = "o3edge-engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: INT8 modules and CPU presets (written only by builds that use them)
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
@@ -81,8 +83,10 @@ class Manifest:
     args: ModelArgs
     dtype: torch.dtype
     group_size: int | None  # None: no INT4
-    quantized: tuple[str, ...]  # module names, e.g. layers.0.mlp.gate_up
+    quantized: tuple[str, ...]  # INT4 module names, e.g. layers.0.mlp.gate_up
     raw: dict
+    int8_modules: tuple[str, ...] = ()  # e.g. layers.0.attn.qkv, lm_head
+    preset: str | None = None
 
     @property
     def weights_path(self) -> str:
@@ -106,8 +110,8 @@ def read_manifest(engine_dir: str) -> Manifest:
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise CheckpointError(f"{where}: dtype {raw['dtype']!r} is not float32, float16 or bfloat16")
     quant = raw["quantization"]
-    group, modules = _quantization(quant, where)
-    manifest = Manifest(engine_dir, args, dtype, group, modules, raw)
+    group, modules, int8, preset = _quantization(quant, where)
+    manifest = Manifest(engine_dir, args, dtype, group, modules, raw, int8, preset)
     _check_weights(manifest, where)
     _check_tokenizer(engine_dir, _field(raw, "tokenizer", dict, where), where)
     return manifest
@@ -119,15 +123,26 @@ def _field(raw: dict, key: str, kind: type, where: str):
     return raw[key]
 
 
-def _quantization(quant, where: str) -> tuple[int | None, tuple[str, ...]]:
+def _quantization(quant, where: str) -> tuple[int | None, tuple[str, ...], tuple[str, ...], str | None]:
+    """(INT4 group size, INT4 modules, INT8 modules, preset). Version 1 holds the INT4 part at the
+    top level; version 2 has {"preset", "int4": {...} | null, "int8": {...} | null}."""
     if quant is None:
-        return None, ()
-    if not isinstance(quant, dict) or any(k not in quant for k in ("scheme", "group_size", "modules")):
+        return None, (), (), None
+    if not isinstance(quant, dict):
+        raise CheckpointError(f"{where}: quantization must be an object or null")
+    if "scheme" not in quant:  # version 2
+        group, modules, _, _ = _quantization(quant.get("int4"), where)
+        int8 = quant.get("int8")
+        if int8 is not None and (not isinstance(int8, dict) or int8.get("scheme") != cpu_quant.SCHEME
+                                 or not isinstance(int8.get("modules"), list)):
+            raise CheckpointError(f"{where}: quantization.int8 needs scheme {cpu_quant.SCHEME!r} and modules")
+        return group, modules, tuple(int8["modules"]) if int8 else (), quant.get("preset")
+    if any(k not in quant for k in ("scheme", "group_size", "modules")):
         raise CheckpointError(f"{where}: quantization needs scheme, group_size and modules")
     if quant["scheme"] != SCHEME or quant["group_size"] not in GROUP_SIZES:
         raise CheckpointError(f"{where}: quantization {quant['scheme']!r} with group size "
                               f"{quant['group_size']!r} is not supported ({SCHEME}, {GROUP_SIZES})")
-    return quant["group_size"], tuple(quant["modules"])
+    return quant["group_size"], tuple(quant["modules"]), (), None
 
 
 def _check_weights(manifest: Manifest, where: str) -> None:
@@ -187,29 +202,38 @@ def write_manifest(engine_dir: str, raw: dict) -> None:
 
 
 def build_engine_dir(src_dir: str, out_dir: str, dtype: torch.dtype, int4_group_size: int | None,
-                     force: bool = False, progress=None) -> Manifest:
+                     force: bool = False, progress=None, preset: str | None = None) -> Manifest:
     """Write an engine directory for a Hugging Face checkpoint; progress(name) after each tensor.
+
+    A preset (cpu_quant.PRESETS) sets the dtype, INT4 group and INT8 modules itself.
 
     The directory is written beside out_dir and renamed into place at the end, so a build that
     fails or is interrupted never leaves something that looks like an engine.
     """
-    from o3edge.engine.loader import build_state_dict  # the loader reads engine dirs: import it late
+    from o3edge.engine.loader import build_state_dict, preset_int8_modules  # the loader reads engine dirs
+
 
     if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
         raise CheckpointError(f"{out_dir} exists and is not empty; remove it or build with --force")
     args = read_model_args(src_dir)
+    int8: list[str] = []
+    if preset is not None:
+        if preset not in cpu_quant.PRESETS:
+            raise CheckpointError(f"unknown preset {preset!r}; choose from {sorted(cpu_quant.PRESETS)}")
+        p = cpu_quant.PRESETS[preset]
+        dtype, int4_group_size, int8 = getattr(torch, p.dtype), p.int4_group_size, preset_int8_modules(args, p)
     source = {"path": os.path.abspath(src_dir), "fingerprint": fingerprint(src_dir),
               "architectures": read_json(os.path.join(src_dir, "config.json")).get("architectures")}
     partial = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     try:
-        state = build_state_dict(args, load_tensors(src_dir), dtype, int4_group_size, progress)
+        state = build_state_dict(args, load_tensors(src_dir), dtype, int4_group_size, progress, int8)
         weights = os.path.join(partial, WEIGHTS)
         save_file({k: v.contiguous() for k, v in state.items()}, weights, metadata={"format": "pt"})
         os.chmod(weights, 0o644)  # safetensors writes 0600; the daemon's own user must be able to read it
         copied = copy_tokenizer(src_dir, partial)
-        raw = _manifest(args, dtype, state, int4_group_size, source, copied, partial)
+        raw = _manifest(args, dtype, state, int4_group_size, source, copied, partial, preset)
         write_manifest(partial, raw)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
@@ -221,7 +245,7 @@ def build_engine_dir(src_dir: str, out_dir: str, dtype: torch.dtype, int4_group_
 
 
 def _manifest(args: ModelArgs, dtype: torch.dtype, state: dict, group: int | None, source: dict,
-              tokenizer_files: list[str], out_dir: str) -> dict:
+              tokenizer_files: list[str], out_dir: str, preset: str | None = None) -> dict:
     from o3edge import __version__  # o3edge/__init__ imports the engine: import it late
 
     modules = sorted(k.removesuffix(".qweight") for k in state if k.endswith(".qweight"))
@@ -229,8 +253,16 @@ def _manifest(args: ModelArgs, dtype: torch.dtype, state: dict, group: int | Non
         "scheme": SCHEME, "bits": 4, "group_size": group, "modules": modules,
         "layout": "qweight uint8 [N, Kp/2] (column 2i high nibble), scales_and_zeros bf16 [Kp/group, N, 2]; "
                   "w = (q - 8) * scale + zero; Kp = K rounded up to the group size with zero columns"}
+    int8 = sorted(k.removesuffix(".qweight8") for k in state if k.endswith(".qweight8"))
+    version = 1
+    if int8 or preset:  # written as version 2 only when needed: older readers keep reading the rest
+        version = 2
+        quant = {"preset": preset, "int4": quant, "int8": {
+            "scheme": cpu_quant.SCHEME, "bits": 8, "modules": int8,
+            "layout": "qweight8 int8 [N, K], scales8 float32 [N]; w = q * scale; kernel picked at load "
+                      "(fbgemm dynamic int8 on x86, else _weight_int8pack_mm, else dense)"} if int8 else None}
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "format": FORMAT, "format_version": version,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "builder": {"o3edge": __version__, "torch": torch.__version__, "safetensors": safetensors.__version__,
                     "python": platform.python_version()},

@@ -16,8 +16,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from o3edge.engine.checkpoint import ModelArgs, load_tensors, read_model_args
+from o3edge.engine.cpu_quant import LM_HEAD, Preset, int8_targets, quantize_int8, swap_to_int8
+from o3edge.engine.cpu_quant import SUFFIXES as INT8_SUFFIXES
 from o3edge.engine.engine_dir import is_engine_dir, load_weights, read_manifest
-from o3edge.engine.model import Transformer, hf_weight_map
+from o3edge.engine.model import RMSNorm, Transformer, hf_weight_map
 from o3edge.engine.quant import quantizable, quantize_int4, swap_to_int4
 from o3edge.errors import CheckpointError
 
@@ -50,14 +52,23 @@ def int4_modules(args: ModelArgs, group_size: int) -> list[str]:
         return quantizable(Transformer(args), group_size)
 
 
+def preset_int8_modules(args: ModelArgs, preset: Preset) -> list[str]:
+    """The linears of this architecture that a CPU preset stores in INT8 (LM head included)."""
+    with on_meta():
+        return int8_targets(Transformer(args), preset)
+
+
 def build_state_dict(args: ModelArgs, tensors: dict, dtype: torch.dtype, int4_group_size: int | None = None,
-                     progress: Callable[[str], None] | None = None) -> dict:
+                     progress: Callable[[str], None] | None = None, int8_modules: list[str] = ()) -> dict:
     """Our state dict from Hugging Face tensors: fused q/k/v and gate/up, cast to dtype.
 
-    With int4_group_size, the FFN projections become <name>.qweight and <name>.scales_and_zeros,
-    quantized from the checkpoint's own precision (not from the cast copy).
+    With int4_group_size, the FFN projections become <name>.qweight and <name>.scales_and_zeros;
+    int8_modules become <name>.qweight8 and <name>.scales8 (a tied LM head: a copy of the
+    embedding, which stays dense for the lookup). Both are quantized from the checkpoint's own
+    precision (not from the cast copy).
     """
     to_int4 = set(int4_modules(args, int4_group_size)) if int4_group_size else set()
+    to_int8 = set(int8_modules)
     with on_meta():
         shapes = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
     state = {}
@@ -71,8 +82,13 @@ def build_state_dict(args: ModelArgs, tensors: dict, dtype: torch.dtype, int4_gr
         if module in to_int4:
             _check_shape(ours, weight, shapes[ours])
             state[module + ".qweight"], state[module + ".scales_and_zeros"] = quantize_int4(weight, int4_group_size)
+        elif module in to_int8:
+            _check_shape(ours, weight, shapes[ours])
+            state[module + ".qweight8"], state[module + ".scales8"] = quantize_int8(weight)
         else:
             state[ours] = weight.to(dtype)
+        if ours == "embed.weight" and LM_HEAD in to_int8 and args.tie_word_embeddings:
+            state[LM_HEAD + ".qweight8"], state[LM_HEAD + ".scales8"] = quantize_int8(weight)
         if progress is not None:
             progress(ours)
     return state
@@ -102,16 +118,18 @@ def load_model(model_dir: str, device: torch.device, dtype: torch.dtype, int4_ff
     int4_ffn quantizes the FFN projections at load time unless the engine directory already
     holds them in INT4 (then its own group size stands).
     """
-    mapped = []  # INT4 tensors read from the engine file (mmap), packed into copies by instantiate
+    mapped = []  # INT4/INT8 tensors read from the engine file (mmap), packed into copies by instantiate
     if is_engine_dir(model_dir):
         args, state, group, stored = _engine_state(model_dir, dtype, int4_ffn, int4_group_size)
         mapped = [state[f"{name}.qweight"] for name in stored]
+        mapped += [v for k, v in state.items() if k.endswith(".qweight8")]
     else:
         args = read_model_args(model_dir)
         group = int4_group_size if int4_ffn else None
         state = build_state_dict(args, load_tensors(model_dir), dtype, group)
-    model = instantiate(args, state, device, group)
-    if group is not None:
+    # engine dir: drop each INT8 tensor's file pages as soon as it is packed, so they never pile up
+    model = instantiate(args, state, device, group, release=_release_memory if mapped else None)
+    if mapped:
         _release_memory(mapped)
     return model, args
 
@@ -139,9 +157,13 @@ def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size
     if stored != sorted(manifest.quantized):
         raise CheckpointError(f"{manifest.weights_path}: INT4 modules {stored[:3]}... differ from the "
                               f"manifest's {list(manifest.quantized)[:3]}...")
+    stored8 = sorted(k.removesuffix(".qweight8") for k in state if k.endswith(".qweight8"))
+    if stored8 != sorted(manifest.int8_modules):
+        raise CheckpointError(f"{manifest.weights_path}: INT8 modules {stored8[:3]}... differ from the "
+                              f"manifest's {list(manifest.int8_modules)[:3]}...")
     if dtype != manifest.dtype:
         log.info("engine %s was built in %s; casting its dense weights to %s", model_dir, manifest.dtype, dtype)
-        state = {k: v if k.endswith(INT4_SUFFIXES) else v.to(dtype) for k, v in state.items()}
+        state = {k: v if k.endswith(INT4_SUFFIXES + INT8_SUFFIXES) else v.to(dtype) for k, v in state.items()}
     group = manifest.group_size
     if int4_ffn and group is None:
         group = group_size
@@ -154,13 +176,17 @@ def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size
     return manifest.args, state, group, stored
 
 
-def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: int | None) -> Transformer:
-    """Build the model on meta, swap in Int4Linear where state holds INT4, assign the tensors."""
+def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: int | None,
+                release: Callable[[list[torch.Tensor]], None] | None = None) -> Transformer:
+    """Build the model on meta, swap in Int4Linear / Int8Linear where state holds INT4 / INT8, assign the
+    tensors; release([tensor]) after each INT8 layer is packed (engine dirs: drop its file pages)."""
     int4_names = sorted(k.removesuffix(".qweight") for k in state if k.endswith(".qweight"))
+    int8_names = sorted(k.removesuffix(".qweight8") for k in state if k.endswith(".qweight8"))
     with on_meta():
         model = Transformer(args)
         int4 = swap_to_int4(model, int4_names, group_size) if int4_names else {}
-    dense = {k: v for k, v in state.items() if not k.endswith(INT4_SUFFIXES)}
+    int8 = swap_to_int8(model, int8_names)  # not on meta: the kernel's packed weight is built in place
+    dense = {k: v for k, v in state.items() if not k.endswith(INT4_SUFFIXES + INT8_SUFFIXES)}
     check_shapes(model, dense)
     model.load_state_dict(dense, assign=True)
     for name, module in int4.items():
@@ -168,4 +194,17 @@ def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: 
             module.load_quantized(state[name + ".qweight"].to(device), state[name + ".scales_and_zeros"].to(device))
         except (KeyError, ValueError) as exc:
             raise CheckpointError(f"INT4 weights of {name}: {exc}") from None
+    if int8 and device.type != "cpu":
+        raise CheckpointError(f"INT8 layers run on the CPU only; this engine cannot load on {device}")
+    for name, module in int8.items():
+        try:
+            module.load_quantized(state[name + ".qweight8"], state[name + ".scales8"])
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"INT8 weights of {name}: {exc}") from None
+        if release is not None:
+            release([state[name + ".qweight8"]])
+    if int8:  # a quantized engine does not keep transformers' exact norm rounding: take the fused op
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = True
     return model.to(device).eval().requires_grad_(False)

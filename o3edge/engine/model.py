@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from o3edge.engine.checkpoint import ModelArgs
+from o3edge.engine.cpu_decode import span_attention
 from o3edge.engine.rope import apply_rope
 
 
@@ -23,11 +24,12 @@ class StepBatch:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     q_dest: torch.Tensor  # [T] index of each new token in the padded [B*Q] view
     kv_slots: torch.Tensor  # [B, S] cache slot of every key position (padding: any valid slot)
-    attn_mask: torch.Tensor  # [B, 1, Q, S] True where a query may attend a key
+    attn_mask: torch.Tensor | None  # [B, 1, Q, S] True where a query may attend a key
     num_seqs: int  # B
     max_q: int  # Q
     logits_index: torch.Tensor  # [B] flat index of each sequence's last new token
     dense: bool = False  # every sequence has exactly Q new tokens: the padded view is the flat one
+    kv_spans: tuple[tuple[int, int], ...] | None = None  # CPU decode: sequence b's keys are slots [start, end)
 
 
 class RMSNorm(nn.Module):
@@ -35,9 +37,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False  # set for CPU INT8 engines (loader.py): one op instead of seven, no transformers rounding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused kernel instead of seven: decode is launch-bound on the GPU
+        if x.is_cuda or self.fused:  # one fused kernel instead of seven: decode is launch-bound on the GPU
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # in float32, cast back before the weight: the same rounding as transformers
         x32 = x.float()
@@ -74,6 +77,8 @@ class Attention(nn.Module):
 
 def paged_attention(q, k_cache, v_cache, batch: StepBatch) -> torch.Tensor:
     """q: [T, H, hd] -> [T, H, hd], attending to each sequence's keys through its slot table."""
+    if batch.kv_spans is not None:  # keys are a slice of the cache: attend over a view (cpu_decode.py)
+        return span_attention(q, k_cache, v_cache, batch.kv_spans)
     B, Q = batch.num_seqs, batch.max_q
     T, H, hd = q.shape
     padded = q if batch.dense else q.new_zeros(B * Q, H, hd).index_copy_(0, batch.q_dest, q)
@@ -130,8 +135,9 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, kv_cache[i, 0], kv_cache[i, 1])
         x = self.norm(x.index_select(0, batch.logits_index))
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        if self.lm_head is None:  # tied
+            return F.linear(x, self.embed.weight).float()
+        return self.lm_head(x).float()  # nn.Linear, or a quantized copy (of the embedding when tied)
 
 
 def hf_weight_map(args: ModelArgs) -> dict[str, list[str]]:

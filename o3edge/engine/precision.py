@@ -68,12 +68,14 @@ class PrecisionReport:
 
 def describe(engine) -> str:
     """A short name for an engine's precision: dtype plus INT4 group size if any."""
+    from o3edge.engine.cpu_quant import int8_tag
     from o3edge.engine.quant import int4_tag
 
     if hasattr(engine, "describe"):  # another runtime (an exported model)
         return engine.describe()
-
-    return engine.info.dtype + int4_tag(engine.runner.model).replace(":int4g", " + int4 g")
+    model = engine.runner.model
+    return engine.info.dtype + (int4_tag(model) + int8_tag(model)).replace(":int4g", " + int4 g").replace(
+        ":int8", " + int8")
 
 
 def greedy_tokens(engine, prompts: list[list[int]], num_new_tokens: int) -> list[list[int]]:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 
 from o3edge.engine.checkpoint import ModelArgs
+from o3edge.engine.cpu_decode import CpuDecode, decode_forward, lazy_zeros
+from o3edge.engine.cpu_quant import int8_tag
 from o3edge.engine.cuda_graph import DecodeGraphs, block_tables, key_slots
 from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.prefill_graph import PrefillGraphs
@@ -27,11 +30,14 @@ class ModelRunner:
         self.cos, self.sin = rope_tables(args, max_model_len, device, dtype)
         # the whole KV pool, allocated once: [layers, K/V, slots, kv_heads, head_dim]; one extra
         # block at the end is scratch space that padded rows of static-shape steps write into
-        self.kv_cache = torch.zeros(args.num_layers, 2, (num_blocks + 1) * block_size, args.num_kv_heads,
-                                    args.head_dim, device=device, dtype=dtype)
+        shape = (args.num_layers, 2, (num_blocks + 1) * block_size, args.num_kv_heads, args.head_dim)
+        self.kv_cache = lazy_zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, device=device,
+                                                                                           dtype=dtype)
         self.scratch_slot = num_blocks * block_size
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        # INT8 engines decode through cpu_decode.decode_forward; float32 keeps the model's exact forward
+        self.cpu_decode = CpuDecode(block_size, fast_forward=int8_tag(model) != "") if device.type == "cpu" else None
         self.generators: dict[int, torch.Generator | None] = {}
         self._seed = seed
         self.last_logits: torch.Tensor | None = None
@@ -68,8 +74,11 @@ class ModelRunner:
                 logits, greedy = self.prefill_graphs.run(batch)
                 picked = greedy.tolist() if greedy_only else None
             else:
-                input_ids, positions, step = self.prepare(batch)
-                logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
+                prepared = self.cpu_decode.prepare(batch) if self.cpu_decode is not None else None
+                input_ids, positions, step = prepared or self.prepare(batch)
+                fast = prepared and self.cpu_decode.fast_forward
+                forward = partial(decode_forward, self.model) if fast else self.model
+                logits = forward(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy (None: overwritten)
         if picked is None:
             return pick_tokens(batch, logits, self._generator)

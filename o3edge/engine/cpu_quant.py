@@ -1,0 +1,192 @@
+"""Weight-only INT8 for CPU linears (attention projections, FFN, LM head), as a module swap.
+
+On disk a weight is `<name>.qweight8` int8 [N, K] and `<name>.scales8` float32 [N]: symmetric per
+output row, w ~ q * scale with scale = max|w_row| / 127. That form is device- and CPU-neutral; the
+kernel, and the layout it wants, is picked when the engine loads (`pick_int8_kernel`):
+
+- "fbgemm": torch's `quantized::linear_dynamic` (fbgemm, x86): activations are quantized per tensor
+  to uint8 on the fly, int8 GEMM, float32 out. Fastest here at every row count (tools/bench_cpu_kernels.py).
+  On CPUs without VNNI it runs with `reduce_range` (7-bit activations): its AVX2 path adds pairs of
+  u8*s8 products in saturating int16.
+- "int8pack": `_weight_int8pack_mm` with bf16 activations (weight-only, no activation rounding
+  beyond bf16); for builds of torch without fbgemm.
+- "dense": the dequantized float32 weight and MKL; correct everywhere, as large as float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SCHEME = "int8-sym-per-row"
+SUFFIXES = (".qweight8", ".scales8")
+KERNELS = ("fbgemm", "int8pack", "dense")
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (q int8 [N, K], scales float32 [N])."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """Instruction-set flags of this CPU that matter for the kernels (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            line = next((ln for ln in fh if ln.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(":", 1)[-1].split()) & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
+                                                   "amx_int8", "amx_bf16"}
+
+
+def has_fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def pick_int8_kernel(requested: str = "auto") -> str:
+    """The INT8 kernel for this CPU and build of torch: fbgemm, else int8pack, else dense."""
+    if requested != "auto":
+        if requested not in KERNELS:
+            raise ValueError(f"int8 kernel must be auto or one of {KERNELS}, got {requested!r}")
+        if requested == "fbgemm" and not has_fbgemm():
+            log.warning("fbgemm is not in this build of torch; INT8 layers fall back to int8pack")
+            return "int8pack"
+        return requested
+    return "fbgemm" if has_fbgemm() else "int8pack"
+
+
+class Int8Linear(nn.Module):
+    """A bias-free linear layer with a per-row INT8 weight; float32 in, float32 out (any dtype in)."""
+
+    def __init__(self, in_features: int, out_features: int, kernel: str = "auto"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.kernel = pick_int8_kernel(kernel)
+        self.reduce_range = not {"avx512_vnni", "avx_vnni"} & cpu_features()
+        self.packed = None  # fbgemm's packed weight (a torchbind object, not a tensor)
+        self.register_buffer("weight", torch.empty(0, dtype=torch.int8), persistent=False)
+        self.register_buffer("scales", torch.empty(0), persistent=False)
+
+    def load_quantized(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        """Lay the on-disk form out for the chosen kernel."""
+        if tuple(q.shape) != (self.out_features, self.in_features) or q.dtype != torch.int8:
+            raise ValueError(f"qweight8 must be int8 {(self.out_features, self.in_features)}, "
+                             f"got {q.dtype} {tuple(q.shape)}")
+        if tuple(scales.shape) != (self.out_features,):
+            raise ValueError(f"scales8 must have shape {(self.out_features,)}, got {tuple(scales.shape)}")
+        if self.kernel == "fbgemm":
+            with _engine("fbgemm"):
+                qt = torch._make_per_channel_quantized_tensor(
+                    q, scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0)
+                self.packed = torch.ops.quantized.linear_prepack(qt, None)
+        elif self.kernel == "int8pack":
+            self.weight, self.scales = q.contiguous(), scales.to(torch.bfloat16)
+        else:
+            self.weight = dequantize_int8(q, scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "fbgemm":
+            y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, self.reduce_range)
+        elif self.kernel == "int8pack":
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight, self.scales)
+        else:
+            y = F.linear(x2.float(), self.weight)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+
+
+class _engine:
+    """Select a quantized engine for prepacking (its packed format), then restore the old one."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self.old = torch.backends.quantized.engine
+        torch.backends.quantized.engine = self.name
+
+    def __exit__(self, *exc):
+        torch.backends.quantized.engine = self.old
+        return False
+
+
+def swap_to_int8(model: nn.Module, names: list[str], kernel: str = "auto") -> dict[str, Int8Linear]:
+    """Put empty Int8Linear modules at the named places (replacing nn.Linear, or a tied LM head's None)."""
+    swapped = {}
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        if old is None:  # tied LM head: its own quantized copy of the embedding
+            n, k = model.embed.weight.shape
+        else:
+            n, k = old.out_features, old.in_features
+        new = Int8Linear(k, n, kernel)
+        setattr(parent, child, new)
+        swapped[name] = new
+    return swapped
+
+
+# ---- presets -----------------------------------------------------------------------------------
+
+ATTN_MODULES = ("attn.qkv", "attn.o")
+FFN_MODULES = ("mlp.gate_up", "mlp.down")
+LM_HEAD = "lm_head"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What `o3edge build --preset NAME` stores: the dense dtype and which linears are INT8 / INT4."""
+
+    name: str
+    dtype: str  # of everything not quantized (embedding, norms)
+    int4_group_size: int | None  # FFN projections in INT4 (torch's int4pack) when set, else INT8
+    summary: str
+
+
+PRESETS = {
+    "cpu-int8": Preset("cpu-int8", "float32", None,
+                       "every linear layer and the LM head INT8 per row (fbgemm on x86); embedding float32"),
+    "cpu-int4": Preset("cpu-int4", "float32", 32,
+                       "FFN INT4 group 32 (int4pack), attention projections and LM head INT8; embedding float32"),
+}
+
+
+def int8_targets(model: nn.Module, preset: Preset) -> list[str]:
+    """Module names a preset stores in INT8: attention projections, the LM head, the FFN unless INT4.
+
+    Layers with a bias (Qwen2's qkv) stay dense: Int8Linear is bias-free."""
+    suffixes = ATTN_MODULES + (() if preset.int4_group_size else FFN_MODULES)
+    names = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and name.endswith(suffixes):
+            if mod.bias is None:
+                names.append(name)
+            else:
+                log.warning("%s stays dense: INT8 layers are bias-free", name)
+    return names + [LM_HEAD]
+
+
+def int8_tag(model: nn.Module) -> str:
+    """':int8' when the model has INT8 layers ('' otherwise), for cache keys and reports."""
+    return ":int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else ""

@@ -1,0 +1,170 @@
+"""CPU presets: INT8 layers, kernel choice and its fallbacks, preset engine builds that load and generate."""
+
+import os
+
+import pytest
+import torch
+
+from o3edge import O3Config, O3Model
+from o3edge.engine import cpu_quant
+from o3edge.engine.cpu_quant import Int8Linear, dequantize_int8, pick_int8_kernel, quantize_int8
+from o3edge.engine.engine_dir import build_engine_dir, read_manifest
+from o3edge.engine.precision import alignment_report
+from o3edge.engine.quant import Int4Linear
+from o3edge.engine.sequence import SamplingParams
+
+
+def test_int8_round_trip_is_within_half_a_step_per_row():
+    w = torch.randn(64, 96) * torch.logspace(-3, 0, 64)[:, None]  # rows of very different scales
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (64,)
+    err = (dequantize_int8(q, scales) - w).abs()
+    assert (err <= scales[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("kernel,tol", [("dense", 1e-5), ("int8pack", 2e-2), ("fbgemm", 3e-2)])
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_int8_linear_matches_its_dequantized_weight(kernel, tol, rows):
+    if kernel == "fbgemm" and not cpu_quant.has_fbgemm():
+        pytest.skip("no fbgemm in this build of torch")
+    w = torch.randn(48, 80)
+    q, scales = quantize_int8(w)
+    layer = Int8Linear(80, 48, kernel)
+    layer.load_quantized(q, scales)
+    x = torch.randn(2, rows, 80)
+    ref = x @ dequantize_int8(q, scales).T
+    out = layer(x)
+    assert out.shape == (2, rows, 48) and out.dtype == torch.float32
+    assert (out - ref).norm() / ref.norm() < tol
+
+
+def test_kernel_choice_falls_back_when_fbgemm_is_missing(monkeypatch):
+    assert pick_int8_kernel("dense") == "dense"
+    monkeypatch.setattr(cpu_quant, "has_fbgemm", lambda: False)
+    assert pick_int8_kernel() == "int8pack"
+    assert pick_int8_kernel("fbgemm") == "int8pack"
+    with pytest.raises(ValueError):
+        pick_int8_kernel("int3")
+
+
+def test_fbgemm_uses_7_bit_activations_without_vnni(monkeypatch):
+    monkeypatch.setattr(cpu_quant, "cpu_features", lambda: {"avx2"})
+    assert Int8Linear(16, 16, "dense").reduce_range
+    monkeypatch.setattr(cpu_quant, "cpu_features", lambda: {"avx2", "avx512f", "avx512_vnni"})
+    assert not Int8Linear(16, 16, "dense").reduce_range
+
+
+def test_int8_linear_refuses_wrong_shapes():
+    layer = Int8Linear(32, 16, "dense")
+    with pytest.raises(ValueError):
+        layer.load_quantized(torch.zeros(16, 31, dtype=torch.int8), torch.ones(16))
+    with pytest.raises(ValueError):
+        layer.load_quantized(torch.zeros(16, 32, dtype=torch.int8), torch.ones(15))
+
+
+@pytest.fixture(scope="module")
+def presets(checkpoints, tmp_path_factory):
+    """(variant, preset) -> engine directory, built on first use."""
+    root, built = tmp_path_factory.mktemp("presets"), {}
+
+    def get(variant, preset):
+        if (variant, preset) not in built:
+            out = str(root / f"{variant}-{preset}")
+            build_engine_dir(checkpoints(variant), out, torch.bfloat16, None, preset=preset)
+            built[variant, preset] = out
+        return built[variant, preset]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", ["llama-tied", "qwen2-bias", "qwen3-qknorm"])
+@pytest.mark.parametrize("preset", ["cpu-int8", "cpu-int4"])
+def test_preset_engine_loads_what_it_stored_and_generates(presets, variant, preset):
+    path = presets(variant, preset)
+    m = read_manifest(path)
+    assert m.raw["format_version"] == 2 and m.preset == preset and m.raw["dtype"] == "float32"
+    assert "lm_head" in m.int8_modules  # tied or not, the LM head is INT8
+    assert (m.group_size is not None) == (preset == "cpu-int4")
+    model = O3Model.from_config(O3Config(model_path=path, device="cpu"))
+    layers = dict(model.engine.runner.model.named_modules())
+    assert sorted(n for n, mod in layers.items() if isinstance(mod, Int8Linear)) == sorted(m.int8_modules)
+    assert sorted(n for n, mod in layers.items() if isinstance(mod, Int4Linear)) == sorted(m.quantized)
+    if variant == "qwen2-bias":  # Int8Linear is bias-free: qkv with a bias stays dense
+        assert not any(n.endswith("attn.qkv") for n in m.int8_modules)
+    ids = model.engine.encode("def main():")
+    out = model.generate_batch([ids, ids[:3]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert [o.completion_tokens for o in out] == [12, 12]
+
+
+@pytest.mark.parametrize("preset,max_kl,min_top1", [("cpu-int8", 0.002, 0.85), ("cpu-int4", 0.01, 0.75)])
+def test_preset_precision_report_within_bounds(presets, checkpoints, preset, max_kl, min_top1):
+    """Against the float32 engine of the same (random) checkpoint; bounds stated in docs/engine-build.md."""
+    src = checkpoints("llama-tied")
+    settings = dict(device="cpu", kv_cache_memory_mb=16, max_model_len=256)
+    ref = O3Model.from_config(O3Config(model_path=src, dtype="float32", **settings)).engine
+    eng = O3Model.from_config(O3Config(model_path=presets("llama-tied", preset), **settings)).engine
+    report = alignment_report(ref, eng, num_new_tokens=8)
+    assert report.kl_mean <= max_kl and report.top1_agreement >= min_top1, report.format()
+    assert "int8" in report.engine
+
+
+def test_decode_over_the_cache_view_equals_the_gathered_path(checkpoints, monkeypatch):
+    """float32: greedy tokens through cpu_decode's spans equal the generic (gather + mask) decode path."""
+    from o3edge.engine.cpu_decode import CpuDecode
+
+    model = O3Model.from_config(O3Config(model_path=checkpoints("llama-tied"), device="cpu", dtype="float32",
+                                         kv_block_size=8))
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    prompts = [model.engine.encode(p) for p in ("import os", "Once upon a time")]
+    calls = {"spans": 0}
+    prepare = CpuDecode.prepare
+
+    def counted(self, batch):
+        out = prepare(self, batch)
+        calls["spans"] += out is not None
+        return out
+
+    monkeypatch.setattr(CpuDecode, "prepare", counted)
+    fast = [r.token_ids for r in model.generate_batch(prompts, params)]
+    assert calls["spans"] > 0
+    monkeypatch.setattr(CpuDecode, "prepare", lambda self, batch: None)
+    slow = [r.token_ids for r in model.generate_batch(prompts, params)]
+    assert fast == slow
+
+
+def test_scattered_blocks_take_the_generic_path():
+    from o3edge.engine.cpu_decode import contiguous_start, lazy_zeros
+
+    assert contiguous_start([4, 5, 6, 9], 3) == 4
+    assert contiguous_start([4, 5, 7], 3) is None
+    z = lazy_zeros((3, 5), torch.float32)
+    assert z.shape == (3, 5) and not z.any()
+
+
+def test_default_thread_count_is_physical_cores_capped(monkeypatch):
+    from o3edge.engine import cpu_decode
+
+    n = cpu_decode.default_num_threads()
+    assert 1 <= n <= min(8, len(os.sched_getaffinity(0)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert cpu_decode.default_num_threads() <= 8
+
+
+@pytest.mark.parametrize("variant", ["llama-tied", "qwen2-bias", "qwen3-qknorm"])
+def test_int8_decode_forward_matches_the_model_forward(presets, variant):
+    """INT8 engines decode through cpu_decode.decode_forward (RoPE as a matmul); it computes the same step."""
+    engine = O3Model.from_config(O3Config(model_path=presets(variant, "cpu-int8"), device="cpu")).engine
+    runner = engine.runner
+    assert runner.cpu_decode.fast_forward
+    ids = engine.encode("def main():\n    return")
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    logits = {}
+    for fast in (True, False):
+        runner.cpu_decode.fast_forward = fast
+        engine.add_request(f"r{fast}", ids, params)
+        steps = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps.append(runner.last_logits.clone())
+        logits[fast] = torch.cat(steps)
+    torch.testing.assert_close(logits[True], logits[False], atol=2e-3 * logits[False].abs().max().item(), rtol=0)
