@@ -27,6 +27,7 @@ import argparse
 import faulthandler
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -228,10 +229,23 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
 
 
+def raise_fd_limit() -> int:
+    """Raise the soft open-files limit to the hard one (libzmq aborts the process when accept() hits it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     faulthandler.enable()  # the watchdog's SIGABRT then prints every thread's stack
     configure_logging(args.log_level or "info")
+    raise_fd_limit()
     overrides = {"server.endpoint": args.endpoint, "engine.model_path": args.model, "engine.device": args.device,
                  "log.level": args.log_level}
     try:

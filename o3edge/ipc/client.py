@@ -149,7 +149,7 @@ class O3Client:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self._sock.connect(self.endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -223,8 +223,8 @@ class O3Client:
         return msg
 
     def _send(self, op: str, **fields) -> str:
-        while self._monitor.poll(0):  # forget disconnects from before this request
-            self._monitor.recv_multipart()
+        while self._monitor.poll(0):  # forget disconnects from before this request (not a refusal)
+            self._refused(parse_monitor_message(self._monitor.recv_multipart()))
         rid = f"c{next(self._ids)}"
         self._inbox[rid] = deque()
         self._sock.send(P.pack({"v": P.PROTOCOL_VERSION, "op": op, "id": rid, **fields}))
@@ -248,11 +248,18 @@ class O3Client:
     def _disconnected(self) -> bool:
         """Read one monitor event; on a disconnect, first take in what the daemon sent before it."""
         event = parse_monitor_message(self._monitor.recv_multipart())
+        self._refused(event)
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return False
         while self._sock.poll(0):
             self._file(self._sock.recv())
         return True
+
+    def _refused(self, event: dict) -> None:
+        """Raise PermissionDenied if the daemon's access check turned this connection away."""
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            raise PermissionDenied(f"o3edged at {self.endpoint} refused this connection: this user is not in its "
+                                   "allow-list, or has too many connections open")
 
     def _file(self, frame: bytes) -> None:
         msg, box = reply_and_box(frame, self._inbox)

@@ -39,6 +39,7 @@ def stats(server: "IPCServer", request_id: str) -> dict:
     return P.reply("stats", request_id, state=server.state, uptime_s=_uptime(server),
                    queue_depth=snap.pop("waiting", 0), running=snap.pop("running", 0),
                    requests_in_flight=len(server.routes), clients=server.routes.num_clients,
+                   connections={"open": sum(server.access.open_by_uid.values()), **server.access.counts},
                    **snap, **server.counts, **extra)
 
 

@@ -31,6 +31,7 @@ import zmq
 from o3edge.errors import O3Error
 from o3edge.ipc import protocol as P
 from o3edge.ipc import replies
+from o3edge.ipc.access import AccessControl, parse_gids, parse_uids
 from o3edge.ipc.endpoint import EndpointLock, ipc_path, prepare_socket_dir, remove_socket, secure_socket
 from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
 from o3edge.ipc.routes import Routes
@@ -60,6 +61,8 @@ class IPCServer:
         self.settings = settings
         self.hooks = hooks or Hooks()
         self.ctx = zmq.Context()
+        self.access = AccessControl(self.ctx, parse_uids(settings.allowed_uids), parse_gids(settings.allowed_groups),
+                                    settings.max_connections_per_uid)
         self.loop = EngineLoop(load_engine, self._deliver, self.hooks, idle_wake_s)
         self.lock = threading.RLock()  # the ROUTER socket and self.routes
         self.routes = Routes()
@@ -100,12 +103,14 @@ class IPCServer:
                            (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS), (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
                            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)):
             r.setsockopt(opt, value)
+        self.access.prepare(r)  # before bind: no connection escapes the ZAP check
         try:
             r.bind(self.settings.endpoint)
             secure_socket(self._socket_path, self.settings.socket_mode)
             if self.settings.tcp_endpoint:
                 r.bind(self.settings.tcp_endpoint)
         except (zmq.ZMQError, OSError) as exc:
+            self.access.close(r)
             r.close(linger=0)
             raise O3Error(f"cannot listen on {self.settings.endpoint}: {exc}", "endpoint_unavailable") from None
         return r
@@ -161,6 +166,8 @@ class IPCServer:
         self._wake_io()
         if self._io_thread.is_alive():
             self._io_thread.join(timeout=5.0)
+        if not self._io_thread.is_alive():
+            self.access.close(None)
         if not self._engine_thread.is_alive() and not self._io_thread.is_alive():
             self.ctx.term()
             os.close(self._wake_r)
@@ -172,7 +179,8 @@ class IPCServer:
 
     def update_limits(self, settings: ServerSettings) -> None:
         """Apply reloaded limits (queue_max_*, max_inflight_per_client); endpoints and socket options stay."""
-        kept = ("endpoint", "tcp_endpoint", "socket_mode", "max_message_bytes")
+        kept = ("endpoint", "tcp_endpoint", "socket_mode", "max_message_bytes", "allowed_uids", "allowed_groups",
+                "max_connections_per_uid")
         self.settings = dataclasses.replace(settings, **{k: getattr(self.settings, k) for k in kept})
 
     def status_line(self) -> str:
@@ -200,6 +208,7 @@ class IPCServer:
             self.io_failed = True
         finally:
             with self.lock:
+                self._router.disable_monitor()
                 self._router.close()
 
     def _read_batch(self) -> tuple[list, bool]:
