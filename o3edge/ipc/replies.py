@@ -47,7 +47,7 @@ def info(server: "IPCServer", request_id: str) -> dict:
     s = server.settings
     base = {"state": server.state, "version": o3edge.__version__, "protocol_version": P.PROTOCOL_VERSION,
             "pid": os.getpid(), "max_message_bytes": s.max_message_bytes,
-            "max_inflight_per_client": s.max_inflight_per_client}
+            "max_inflight_per_client": s.max_inflight_per_client, "max_prompt_bytes": server.max_prompt_bytes}
     model = engine_info(server.loop.engine) if server.loop.state == "ready" else {"model": None}
     return P.reply("info", request_id, **base, **model)
 

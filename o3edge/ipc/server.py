@@ -1,7 +1,9 @@
 """The ZeroMQ service: one ROUTER socket, an I/O thread that reads it, and the engine loop's thread.
 
 The I/O thread reads requests, validates them, answers health/stats/info/cancel itself and hands
-generate jobs to the engine loop over a queue. The engine loop sends its replies (tokens, done,
+generate requests to a tokenizer lane (o3edge.ipc.intake: off this thread, fair between
+connections), which hands the tokenized job to the engine loop over a queue. A prompt longer in
+bytes than the context window could ever hold is refused before any tokenizing. The engine loop sends its replies (tokens, done,
 errors) itself, once per step, under `lock`, which guards the socket and the routing table: a
 ZeroMQ socket may be used by several threads one at a time. The I/O thread never holds the lock
 while it waits: it sleeps in poll() on the socket's ZMQ_FD and a wake-up pipe, and whoever touches
@@ -34,6 +36,7 @@ from o3edge.ipc import replies
 from o3edge.ipc.access import AccessControl, parse_gids, parse_uids
 from o3edge.ipc.endpoint import EndpointLock, ipc_path, prepare_socket_dir, remove_socket, secure_socket
 from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
+from o3edge.ipc.intake import Lane
 from o3edge.ipc.routes import Routes
 from o3edge.settings import ServerSettings
 
@@ -51,6 +54,17 @@ HEARTBEAT_TIMEOUT_MS = 6000
 BAN_S = 60.0  # how long a peer that broke the framing rules is ignored
 POLL_MS = 100
 BATCH = 64  # messages read per turn of the I/O thread
+SHORT_PROMPT_BYTES = 4096  # prompts up to this size take the short lane: never behind a long encode
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A generate request admitted but not yet tokenized."""
+
+    rid: str
+    identity: bytes
+    request: P.GenerateRequest
+    received: float
 
 
 class IPCServer:
@@ -75,6 +89,9 @@ class IPCServer:
         self._router: zmq.Socket | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ids = itertools.count(1)
+        self._tokenizing: set[str] = set()  # rids admitted, not yet handed to the engine loop (under lock)
+        self._lanes = (Lane("o3edge-tokenize-short", self._encode), Lane("o3edge-tokenize-long", self._encode))
+        self._max_prompt_bytes: int | None = None
         self._stop_io = False
         self._closed = False
         self._stop_reason = "the daemon stopped before this request finished"  # for jobs cut at close
@@ -93,6 +110,8 @@ class IPCServer:
             raise
         self._io_thread.start()
         self._engine_thread.start()
+        for lane in self._lanes:
+            lane.start()
         log.info("listening on %s%s", self.settings.endpoint,
                  f" and {self.settings.tcp_endpoint}" if self.settings.tcp_endpoint else "")
 
@@ -162,6 +181,8 @@ class IPCServer:
         self.loop.stop(self._stop_reason)
         if self._engine_thread.is_alive() and self.loop.state != "loading":  # a load is not worth waiting for
             self._engine_thread.join(timeout=10.0)
+        for lane in self._lanes:
+            lane.stop()
         self._stop_io = True
         self._wake_io()
         if self._io_thread.is_alive():
@@ -272,23 +293,55 @@ class IPCServer:
             why = {"loading": "the engine is still loading; retry when health reports ready",
                    "draining": "the daemon is shutting down"}.get(self.state, f"the engine is {self.state}")
             return self._reject(identity, req.id, P.UNAVAILABLE, why)
-        engine = self.loop.engine
-        try:  # outside the lock: a long prompt must not hold up the engine's replies
-            ids = engine.encode(req.prompt, list(req.messages) if req.messages else None)
-        except O3Error as exc:
-            return self._reject(identity, req.id, exc.code, exc.message)
-        if len(ids) >= engine.info.max_model_len:
-            return self._reject(identity, req.id, P.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the "
-                                f"context window is {engine.info.max_model_len}")
+        size, limit = prompt_bytes(req), self.max_prompt_bytes
+        if limit is not None and size > limit:
+            return self._reject(identity, req.id, P.PROMPT_TOO_LONG, f"prompt has {size} bytes; a context window "
+                                f"of {self.loop.engine.info.max_model_len} tokens holds at most {limit} bytes of "
+                                "text for this model")
         with self.lock:
             problem = self._admission_problem(identity, req)
             if problem:
                 return self._reject(identity, req.id, *problem)
             rid = f"r{next(self._ids)}"
             self.routes.add(rid, identity, req.id)
-            deadline = now + req.deadline_ms / 1000 if req.deadline_ms is not None else None
-            self.loop.submit(Job(rid, identity, req, ids, now, deadline))  # before any abort of this peer
+            self._tokenizing.add(rid)
         self.counts["requests_total"] += 1
+        lane = self._lanes[0 if size <= SHORT_PROMPT_BYTES else 1]
+        lane.put(identity, req.priority, Pending(rid, identity, req, now))
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """Prompt bytes past which no prompt can fit the context window (None: not known)."""
+        if self._max_prompt_bytes is None and self.loop.state == "ready":
+            engine = self.loop.engine
+            per_token = getattr(engine.tokenizer, "max_token_bytes", None)
+            self._max_prompt_bytes = engine.info.max_model_len * per_token() if per_token else 0
+        return self._max_prompt_bytes or None
+
+    def _encode(self, p: Pending) -> None:
+        """A lane's thread: tokenize, check the context window, hand the job to the engine loop."""
+        engine, req = self.loop.engine, p.request
+        try:
+            ids = engine.encode(req.prompt, list(req.messages) if req.messages else None)
+            if len(ids) >= engine.info.max_model_len:
+                raise O3Error(f"prompt has {len(ids)} tokens; the context window is {engine.info.max_model_len}",
+                              P.PROMPT_TOO_LONG)
+        except O3Error as exc:
+            with self.lock:
+                if self._take_pending(p.rid):
+                    self.routes.remove(p.rid)
+                    self._reject(p.identity, req.id, exc.code, exc.message)
+            return
+        with self.lock:
+            if self._take_pending(p.rid):  # else cancelled or its client dropped meanwhile
+                deadline = p.received + req.deadline_ms / 1000 if req.deadline_ms is not None else None
+                self.loop.submit(Job(p.rid, p.identity, req, ids, p.received, deadline))
+
+    def _take_pending(self, rid: str) -> bool:
+        if rid in self._tokenizing:
+            self._tokenizing.discard(rid)
+            return True
+        return False
 
     def _admission_problem(self, identity: bytes, req: P.GenerateRequest) -> tuple[str, str] | None:
         if self.routes.find(identity, req.id) is not None:
@@ -307,7 +360,10 @@ class IPCServer:
     def _cancel(self, identity: bytes, req: P.CancelRequest) -> None:
         with self.lock:
             rid = self.routes.find(identity, req.target)
-            if rid is not None:
+            if rid is not None and self._take_pending(rid):  # not at the engine yet: answer it here
+                self.routes.remove(rid)
+                self._reply(identity, P.error(req.target, P.CANCELLED, "cancelled by the client"))
+            elif rid is not None:
                 self.loop.abort(rid, P.CANCELLED, "cancelled by the client")
             self._reply(identity, P.reply("cancel", req.id, target=req.target, found=rid is not None))
 
@@ -355,8 +411,11 @@ class IPCServer:
     def _drop_peer(self, identity: bytes, reason: str, ban_until: float | None = None) -> None:
         """Abort a client's jobs (freeing their KV blocks) and forget it."""
         rids = self.routes.drop(identity)
+        for lane in self._lanes:
+            lane.discard(identity)
         for rid in rids:
-            self.loop.abort(rid)
+            if not self._take_pending(rid):
+                self.loop.abort(rid)
         if ban_until is not None:
             self.routes.ban(identity, ban_until)
         if rids or ban_until is not None:
@@ -368,3 +427,10 @@ class IPCServer:
         for rid in list(self.routes.flights):
             flight = self.routes.remove(rid)
             self._send(flight.identity, P.pack(P.error(flight.client_id, P.UNAVAILABLE, self._stop_reason)))
+
+
+def prompt_bytes(req: P.GenerateRequest) -> int:
+    """UTF-8 bytes of a request's prompt text (a chat's: its messages' contents)."""
+    if req.prompt is not None:
+        return len(req.prompt.encode())
+    return sum(len(str(m.get("content", "")).encode()) for m in req.messages or ())
