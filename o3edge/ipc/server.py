@@ -9,7 +9,9 @@ ZeroMQ socket may be used by several threads one at a time. The I/O thread never
 while it waits: it sleeps in poll() on the socket's ZMQ_FD and a wake-up pipe, and whoever touches
 the socket last checks ZMQ_EVENTS, so no incoming message is left unnoticed (ZMQ_FD is
 edge-triggered). A client that vanishes (EHOSTUNREACH) or stops reading (EAGAIN once its
-high-water mark fills) has its jobs aborted, which frees their KV blocks.
+high-water mark fills) has its jobs aborted, which frees their KV blocks. One that stopped reading
+is still owed one final `cancelled` error per aborted request: the I/O thread retries those sends
+until they fit (a frozen client that resumes reads them), the peer disconnects, or OWED_TTL_S passes.
 
 Lifecycle: start() binds (after taking the endpoint lock) and begins loading the engine in the
 background, so `health` answers `loading` at once and `ready` after the warm-up; drain() refuses
@@ -24,6 +26,7 @@ import itertools
 import logging
 import os
 import select
+from collections import OrderedDict
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -54,6 +57,8 @@ HEARTBEAT_TIMEOUT_MS = 6000
 BAN_S = 60.0  # how long a peer that broke the framing rules is ignored
 POLL_MS = 100
 BATCH = 64  # messages read per turn of the I/O thread
+OWED_TTL_S = 600.0  # how long final replies to a client that stopped reading are kept for it
+OWED_MAX_PEERS = 1024
 SHORT_PROMPT_BYTES = 4096  # prompts up to this size take the short lane: never behind a long encode
 
 
@@ -92,6 +97,7 @@ class IPCServer:
         self._tokenizing: set[str] = set()  # rids admitted, not yet handed to the engine loop (under lock)
         self._lanes = (Lane("o3edge-tokenize-short", self._encode), Lane("o3edge-tokenize-long", self._encode))
         self._max_prompt_bytes: int | None = None
+        self._owed: OrderedDict[bytes, tuple[float, list[bytes]]] = OrderedDict()  # final replies not yet sent
         self._stop_io = False
         self._closed = False
         self._stop_reason = "the daemon stopped before this request finished"  # for jobs cut at close
@@ -216,6 +222,8 @@ class IPCServer:
         try:
             while not self._stop_io:
                 with self.lock:
+                    if self._owed:
+                        self._pay_owed(time.monotonic())
                     batch, more = self._read_batch()
                 for message in batch:
                     self._handle(*message)
@@ -402,15 +410,25 @@ class IPCServer:
         try:
             self._router.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.Again:
-            self._drop_peer(identity, "stopped reading (send queue full)")
+            self._drop_peer(identity, "stopped reading (send queue full)",
+                            owe="cancelled by the daemon: this client stopped reading its replies (its send queue "
+                                f"of {SNDHWM} messages filled); resend the request")
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 log.warning("send to %s failed: %s", identity.hex(), exc)
             self._drop_peer(identity, "disconnected")
 
-    def _drop_peer(self, identity: bytes, reason: str, ban_until: float | None = None) -> None:
-        """Abort a client's jobs (freeing their KV blocks) and forget it."""
+    def _drop_peer(self, identity: bytes, reason: str, ban_until: float | None = None, owe: str | None = None) -> None:
+        """Abort a client's jobs (freeing their KV blocks) and forget it; with `owe`, each job's final
+        error (that message, code `cancelled`) is sent once the client reads again."""
+        client_ids = list(self.routes.peers.get(identity, {}))
         rids = self.routes.drop(identity)
+        if owe is not None and client_ids:
+            _, earlier = self._owed.pop(identity, (0.0, []))
+            payloads = [P.pack(P.error(cid, P.CANCELLED, owe)) for cid in client_ids]
+            self._owed[identity] = (time.monotonic() + OWED_TTL_S, earlier + payloads)
+            while len(self._owed) > OWED_MAX_PEERS:
+                self._owed.popitem(last=False)
         for lane in self._lanes:
             lane.discard(identity)
         for rid in rids:
@@ -421,6 +439,22 @@ class IPCServer:
         if rids or ban_until is not None:
             self.counts["dropped_peers"] += 1
             log.info("dropped client %s: it %s; aborted %d requests", identity.hex(), reason, len(rids))
+
+    def _pay_owed(self, now: float) -> None:
+        """Send what clients that stopped reading are owed, as far as their queues have room (lock held)."""
+        for identity in list(self._owed):
+            until, payloads = self._owed[identity]
+            while payloads and now < until:
+                try:
+                    self._router.send_multipart([identity, payloads[0]], zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:  # gone: its closed connection is what it sees
+                    payloads.clear()
+                else:
+                    payloads.pop(0)
+            if not payloads or now >= until:
+                del self._owed[identity]
 
     def _fail_remaining(self) -> None:
         """At close: whatever is still in flight gets a final `unavailable`."""
