@@ -25,8 +25,8 @@ class O3Config:
     int4_ffn: bool = False  # weight-only INT4 for the FFN projections
     int4_group_size: int = 128
     kv_block_size: int = 32  # tokens per KV block
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 256
+    num_kv_blocks: int | None = None  # None: max_num_seqs x max_model_len tokens, up to kv_cache_memory_mb
+    kv_cache_memory_mb: int = 256  # the most the KV cache may take when num_kv_blocks is None
     max_model_len: int | None = None  # None: the checkpoint's, capped at 4096
     max_num_seqs: int = 32  # sequences in the running batch
     max_num_batched_tokens: int = 2048  # prefill tokens per engine step (the chunk budget)

@@ -42,6 +42,7 @@ from o3edge.errors import CheckpointError, ConfigError, O3Error
 from o3edge.ipc.endpoint import EndpointInUse
 from o3edge.ipc.engine_loop import Hooks
 from o3edge.ipc.server import IPCServer
+from o3edge.memory import limit_arenas
 from o3edge.model_path import resolve_model_path
 from o3edge.notify import Notifier
 from o3edge.settings import DEFAULT_CONFIG_PATH, Settings, load_settings
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable()  # the watchdog's SIGABRT then prints every thread's stack
     configure_logging(args.log_level or "info")
     raise_fd_limit()
+    limit_arenas()  # before any thread starts: per-thread heaps kept big inputs' memory for good
     # The I/O thread answers health in well under a millisecond of Python, but waits for the GIL
     # behind the engine and tokenizer threads: a shorter switch interval bounds that wait.
     sys.setswitchinterval(SWITCH_INTERVAL_S)

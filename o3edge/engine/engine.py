@@ -92,6 +92,13 @@ def resolve_dtype(name: str, device: torch.device, built: torch.dtype | None = N
     return getattr(torch, name)
 
 
+def kv_blocks_needed(config: O3Config, max_len: int, block_bytes: int) -> int:
+    """KV blocks for a full batch of full-length sequences (max_num_seqs x max_model_len), at most
+    kv_cache_memory_mb: more could never be used at once, only kept for prefix reuse."""
+    full_batch = config.max_num_seqs * -(-max_len // config.kv_block_size)
+    return max(2, min(full_batch, config.kv_cache_memory_mb * (1 << 20) // block_bytes))
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged, prefix-reusing KV cache."""
 
@@ -106,7 +113,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(model_dir)
         max_len = min(config.max_model_len or min(args.max_position_embeddings, 4096), args.max_position_embeddings)
         block_bytes = ModelRunner.block_bytes(args, config.kv_block_size, dtype)
-        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_mb * (1 << 20) // block_bytes)
+        num_blocks = config.num_kv_blocks or kv_blocks_needed(config, max_len, block_bytes)
         self.runner = ModelRunner(model, args, device, dtype, num_blocks, config.kv_block_size, max_len, config.seed)
         if device.type == "cuda" and config.cuda_graphs:
             self.runner.enable_static_decode(config.max_num_seqs, capture=True)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Callable
 import zmq
 
 from o3edge.errors import O3Error
+from o3edge.memory import Trimmer
 from o3edge.ipc import protocol as P
 from o3edge.ipc import replies
 from o3edge.ipc.access import AccessControl, parse_gids, parse_uids
@@ -97,6 +98,7 @@ class IPCServer:
         self._tokenizing: set[str] = set()  # rids admitted, not yet handed to the engine loop (under lock)
         self._lanes = (Lane("o3edge-tokenize-short", self._encode), Lane("o3edge-tokenize-long", self._encode))
         self._max_prompt_bytes: int | None = None
+        self.trimmer = Trimmer()  # gives memory back after large inputs, when the I/O thread idles
         self._owed: OrderedDict[bytes, tuple[float, list[bytes]]] = OrderedDict()  # final replies not yet sent
         self._stop_io = False
         self._closed = False
@@ -228,6 +230,7 @@ class IPCServer:
                 for message in batch:
                     self._handle(*message)
                 if not batch and not more:
+                    self.trimmer.maybe_trim()
                     self._sleep(poller)
             with self.lock:
                 self._forward()
@@ -248,6 +251,7 @@ class IPCServer:
             while self._router.getsockopt(zmq.RCVMORE):
                 frame = self._router.recv()
                 count += 1
+                self.trimmer.note(len(frame))
                 if count <= P.MAX_FRAMES:
                     frames.append(frame)
             batch.append((identity, frames, count, time.monotonic()))
