@@ -1,7 +1,12 @@
 """o3edged: the inference daemon, in the foreground, logging to stderr (journald under systemd).
 
     o3edged [--config PATH] [--endpoint ipc:///path] [--model DIR] [--device cpu|cuda|cuda:N|auto]
-            [--log-level debug|info|warning|error]
+            [--log-level debug|info|warning|error] [--detach]
+
+--detach starts it in the background (log and pid file in $XDG_STATE_HOME/o3edge, by default
+~/.local/state/o3edge) and returns once it listens; if a daemon already serves the endpoint it
+says so and exits 0 without touching it. A daemon started by hand (not under the unit's
+StateDirectory=) writes its energy log to that same directory.
 
 Settings come from the TOML file (default /etc/o3edge/o3edge.toml, if present), then O3EDGE_*
 variables, then these flags. With no model configured, the built-in default model is used.
@@ -43,7 +48,9 @@ from o3edge.ipc.endpoint import EndpointInUse
 from o3edge.ipc.engine_loop import Hooks
 from o3edge.ipc.server import IPCServer
 from o3edge.memory import limit_arenas
+from o3edge.detach import PidFile, detach
 from o3edge.model_path import resolve_model_path
+from o3edge.paths import user_state_dir
 from o3edge.notify import Notifier
 from o3edge.settings import DEFAULT_CONFIG_PATH, Settings, load_settings
 
@@ -68,7 +75,9 @@ class Daemon:
         self.stop_signal: int | None = None
         self.reload_requested = False
         on_loop = with_test_fault(self.notifier.watchdog, os.environ.get(FAULT_ENV))
-        self.energy = EnergyService(settings.power, settings.metrics, state_dir=state_directory())
+        # a daemon started by hand keeps its energy log in the user's state directory
+        self.energy = EnergyService(settings.power, settings.metrics,
+                                    state_dir=state_directory() or str(user_state_dir()))
         hooks = Hooks(on_loop=on_loop, on_phase=self._on_phase, **self.energy.hooks())
         # The loop pings only when it comes round: waking at least every half ping interval keeps
         # consecutive pings 1/2 to 3/4 of WATCHDOG_USEC apart.
@@ -76,6 +85,7 @@ class Daemon:
         idle_wake_s = min(MAX_IDLE_WAKE_S, ping_s / 2) if ping_s else MAX_IDLE_WAKE_S
         self.server = IPCServer(settings.server, self._load_engine, hooks, idle_wake_s)
         self.energy.attach(self.server)
+        self.server.about["energy_log"] = str(self.energy.log_path) if self.energy.log_path else None
 
     def _on_phase(self, phase: str) -> None:
         """Engine thread: before loading and warming up, each phase gets its own start-up budget."""
@@ -221,6 +231,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="model directory (HF checkpoint or o3edge engine); default: built-in tiny")
     ap.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     ap.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"))
+    ap.add_argument("--detach", action="store_true", help="run in the background (log and pid file in "
+                    "~/.local/state/o3edge); if one already runs on the endpoint, say so and exit 0")
+    ap.add_argument("--pidfile", help=argparse.SUPPRESS)  # written by --detach's background daemon
     return ap.parse_args(argv)
 
 
@@ -259,10 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG
+    if args.detach:
+        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--detach"]
+        return detach(rest, settings.server.endpoint)
     configure_logging(settings.log.level)
+    pidfile = PidFile(args.pidfile)
     daemon = Daemon(settings, reread=lambda: load_settings(args.config, None, overrides))
     daemon.install_signal_handlers()
-    return daemon.run()
+    try:
+        return daemon.run()
+    finally:
+        pidfile.remove()
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def info(server: "IPCServer", request_id: str) -> dict:
             "pid": os.getpid(), "max_message_bytes": s.max_message_bytes,
             "max_inflight_per_client": s.max_inflight_per_client, "max_prompt_bytes": server.max_prompt_bytes}
     model = engine_info(server.loop.engine) if server.loop.state == "ready" else {"model": None}
-    return P.reply("info", request_id, **base, **model, memory=memory_info(server))
+    return P.reply("info", request_id, **base, **model, **server.about, memory=memory_info(server))
 
 
 def memory_info(server: "IPCServer") -> dict:

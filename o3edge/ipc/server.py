@@ -98,6 +98,7 @@ class IPCServer:
         self._tokenizing: set[str] = set()  # rids admitted, not yet handed to the engine loop (under lock)
         self._lanes = (Lane("o3edge-tokenize-short", self._encode), Lane("o3edge-tokenize-long", self._encode))
         self._max_prompt_bytes: int | None = None
+        self.about: dict = {}  # extra `info` fields from the daemon (the energy log's path)
         self.trimmer = Trimmer()  # gives memory back after large inputs, when the I/O thread idles
         self._owed: OrderedDict[bytes, tuple[float, list[bytes]]] = OrderedDict()  # final replies not yet sent
         self._stop_io = False

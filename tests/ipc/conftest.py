@@ -40,8 +40,10 @@ class DaemonProcess:
 
     def start(self) -> "DaemonProcess":
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "o3edge.daemon", "--config", self.config],
-                                     cwd=REPO, env=clean_env(), stdout=self._log, stderr=subprocess.STDOUT)
+        # XDG_STATE_HOME: a daemon started by hand writes its energy log there, not in the user's home
+        self.proc = subprocess.Popen([sys.executable, "-m", "o3edge.daemon", "--config", self.config], cwd=REPO,
+                                     env=clean_env(XDG_STATE_HOME=os.path.dirname(self.config)),
+                                     stdout=self._log, stderr=subprocess.STDOUT)
         return self
 
     def wait_ready(self, timeout=60.0) -> None:
