@@ -156,6 +156,7 @@ class O3Client:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._ids = itertools.count(1)
         self._inbox: dict[str, deque] = {}  # request id -> replies not yet read
+        self._cut: set[str] = set()  # requests in flight when the connection dropped: no more replies come
 
     # ---- requests ---------------------------------------------------------------------------
     def health(self) -> dict:
@@ -235,14 +236,17 @@ class O3Client:
         box = self._inbox[rid]
         end = time.monotonic() + self.timeout
         while not box:
+            if rid in self._cut:  # what came before the drop is read: the rest never will
+                self._cut.discard(rid)
+                raise DaemonUnavailable(f"o3edged at {self.endpoint} closed the connection (stopped or died)")
             left = end - time.monotonic()
             if left <= 0:
                 raise DaemonUnavailable(f"no reply from o3edged at {self.endpoint} within {self.timeout:g} s")
             events = dict(self._poller.poll(left * 1000))
             if self._sock in events:
                 self._file(self._sock.recv())
-            if self._monitor in events and self._disconnected() and not box:
-                raise DaemonUnavailable(f"o3edged at {self.endpoint} closed the connection (stopped or died)")
+            if self._monitor in events and self._disconnected():
+                self._cut.update(self._inbox)
         return box.popleft()
 
     def _disconnected(self) -> bool:

@@ -11,7 +11,7 @@ from tests.helpers import wait_for
 TEXT = "The json module encodes and decodes JSON documents. The os module talks to the operating system. "
 
 
-def test_rss_returns_to_baseline_after_big_inputs(rel_daemon):
+def test_rss_returns_to_baseline_after_big_inputs(rel_daemon, figures):
     proc = psutil.Process(rel_daemon.proc.pid)
     with O3Client(rel_daemon.endpoint, timeout=30.0) as c:
         c.generate("The json module", max_tokens=8)
@@ -31,8 +31,10 @@ def test_rss_returns_to_baseline_after_big_inputs(rel_daemon):
         settled = wait_for(lambda: proc.memory_info().rss <= baseline * 1.10, 10.0, 0.25)
         mib = lambda n: round(n / 2**20, 1)  # noqa: E731
         print(f"RSS baseline {mib(baseline)} MiB, peak {mib(peak)}, after {mib(proc.memory_info().rss)}")
-        assert settled, (mib(baseline), mib(peak), mib(proc.memory_info().rss))
         memory = c.info()["memory"]
+        figures("memory_after_big_inputs", baseline_mib=mib(baseline), peak_mib=mib(peak),
+                after_mib=mib(proc.memory_info().rss), inputs=18, idle_breakdown=memory)
+        assert settled, (mib(baseline), mib(peak), mib(proc.memory_info().rss))
         assert memory["rss_mib"] > 0 and memory["anon_mib"] > 0 and memory["kv_cache_mib"] > 0
         assert memory["weights_mib"] > 0
 

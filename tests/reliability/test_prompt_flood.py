@@ -36,7 +36,7 @@ def test_oversized_prompt_is_refused_by_size_before_tokenizing(rel_daemon):
         assert c.generate("The json module", max_tokens=2).completion_tokens == 2
 
 
-def test_health_and_critical_request_hold_during_a_4_client_prompt_flood(rel_daemon):
+def test_health_and_critical_request_hold_during_a_4_client_prompt_flood(rel_daemon, figures):
     with O3Client(rel_daemon.endpoint, timeout=10.0) as c:
         limit = c.info()["max_prompt_bytes"]
         flood = subprocess.Popen(
@@ -62,6 +62,10 @@ def test_health_and_critical_request_hold_during_a_4_client_prompt_flood(rel_dae
                 flood.kill()
     print(f"health p50 {percentile(health_ms, 0.5):.2f} ms p99 {percentile(health_ms, 0.99):.2f} ms "
           f"over {len(health_ms)}; critical {critical}; normal {normal}; flood {report}")
+    figures("prompt_flood", clients=4, seconds=FLOOD_S, prompt_bytes=[BIG, limit - 10], flood=report,
+            health_samples=len(health_ms), health_p50_ms=round(percentile(health_ms, 0.5), 2),
+            health_p99_ms=round(percentile(health_ms, 0.99), 2), health_max_ms=round(max(health_ms), 2),
+            critical=critical, normal=normal)
     assert percentile(health_ms, 0.99) <= 10.0
     assert critical and all(t["queue_ms"] <= 50 for t in critical)  # the critical class's wait budget
     assert all(t["total_ms"] <= 2000 for t in normal)
