@@ -5,6 +5,7 @@ until the daemon ran out of file descriptors and libzmq aborted it (`Too many op
 (src/ipc_listener.cpp:297)`).
 """
 
+import asyncio
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import time
 
 import pytest
 
+from o3edge.ipc.aio import AsyncO3Client
 from o3edge.ipc.client import O3Client, PermissionDenied
 from tests.helpers import wait_for
 from tests.reliability.conftest import num_fds, start_daemon
@@ -115,6 +117,16 @@ def test_uid_allow_list(guarded):
         assert c.stats()["connections"]["refused_uid"] >= 1
 
 
+async def async_health(endpoint: str) -> str:
+    client = AsyncO3Client(endpoint, timeout=5.0)
+    try:
+        return "ready" if (await client.health())["ready"] else "not ready"
+    except PermissionDenied:
+        return "refused"
+    finally:
+        await client.close()
+
+
 def test_connections_per_uid_are_capped(guarded):
     clients, refused = [], None
     try:
@@ -130,6 +142,7 @@ def test_connections_per_uid_are_capped(guarded):
         assert refused is not None and 2 <= len(clients) <= 4
         assert "too many connections" in str(refused)
         assert all(c.health()["ready"] for c in clients)  # those let in keep working
+        assert asyncio.run(async_health(guarded.endpoint)) == "refused"  # the asyncio client says so too
     finally:
         for c in clients:
             c.close()
