@@ -118,6 +118,12 @@ class AsyncO3Client:
             raise self._refusal
         rid = f"a{next(self._ids)}"
         self._inbox[rid] = asyncio.Queue()
+        # a DEALER with no connection (one the daemon refused) would wait in send() for ever
+        if not await self._sock.poll(self.timeout * 1000, zmq.POLLOUT):
+            self._inbox.pop(rid, None)
+            raise self._refusal or DaemonUnavailable(f"o3edged at {self.endpoint} kept no "
+                                                     f"connection from this client for {self.timeout:g} s (refused "
+                                                     "by its access check, or not answering)")
         await self._sock.send(P.pack({"v": P.PROTOCOL_VERSION, "op": op, "id": rid, **fields}))
         return rid
 

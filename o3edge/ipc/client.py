@@ -227,6 +227,12 @@ class O3Client:
         while self._monitor.poll(0):  # forget disconnects from before this request (not a refusal)
             self._refused(parse_monitor_message(self._monitor.recv_multipart()))
         rid = f"c{next(self._ids)}"
+        # a DEALER with no connection (one the daemon refused) would wait in send() for ever
+        if not self._sock.poll(self.timeout * 1000, zmq.POLLOUT):
+            while self._monitor.poll(0):
+                self._refused(parse_monitor_message(self._monitor.recv_multipart()))
+            raise DaemonUnavailable(f"o3edged at {self.endpoint} kept no connection from this client for "
+                                    f"{self.timeout:g} s (refused by its access check, or not answering)")
         self._inbox[rid] = deque()
         self._sock.send(P.pack({"v": P.PROTOCOL_VERSION, "op": op, "id": rid, **fields}))
         return rid

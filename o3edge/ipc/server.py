@@ -3,9 +3,10 @@
 The I/O thread reads requests, validates them, answers health/stats/info/cancel itself and hands
 generate requests to a tokenizer lane (o3edge.ipc.intake: off this thread, fair between
 connections), which hands the tokenized job to the engine loop over a queue. A prompt longer in
-bytes than the context window could ever hold is refused before any tokenizing. The engine loop sends its replies (tokens, done,
-errors) itself, once per step, under `lock`, which guards the socket and the routing table: a
-ZeroMQ socket may be used by several threads one at a time. The I/O thread never holds the lock
+bytes than the context window could ever hold is refused before any tokenizing (no unbounded
+tokenizer work or memory). The engine loop sends its replies (tokens, done, errors) itself, once
+per step, under `lock`, which guards the socket and the routing table: a ZeroMQ socket may be used
+by several threads one at a time. The I/O thread never holds the lock
 while it waits: it sleeps in poll() on the socket's ZMQ_FD and a wake-up pipe, and whoever touches
 the socket last checks ZMQ_EVENTS, so no incoming message is left unnoticed (ZMQ_FD is
 edge-triggered). A client that vanishes (EHOSTUNREACH) or stops reading (EAGAIN once its
@@ -26,15 +27,14 @@ import itertools
 import logging
 import os
 import select
-from collections import OrderedDict
 import threading
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable
 
 import zmq
 
 from o3edge.errors import O3Error
-from o3edge.memory import Trimmer
 from o3edge.ipc import protocol as P
 from o3edge.ipc import replies
 from o3edge.ipc.access import AccessControl, parse_gids, parse_uids
@@ -42,6 +42,7 @@ from o3edge.ipc.endpoint import EndpointLock, ipc_path, prepare_socket_dir, remo
 from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
 from o3edge.ipc.intake import Lane
 from o3edge.ipc.routes import Routes
+from o3edge.memory import Trimmer
 from o3edge.settings import ServerSettings
 
 if TYPE_CHECKING:
