@@ -79,8 +79,8 @@ def test_20000_junk_connections_leave_the_daemon_serving(rel_daemon, figures):
         assert client.generate("The json module", max_tokens=4).completion_tokens == 4
     assert wait_for(lambda: num_fds(pid) <= baseline_fds + 4, 10.0), (baseline_fds, num_fds(pid))
     figures("junk_connections", connections=connected, helpers=len(helpers),
-            seconds=round(time.monotonic() - flood_t0, 1), closed_by_daemon=sum(r["closed_by_peer"] for r in reports), fds_before=baseline_fds,
-            fds_after=num_fds(pid), health_during_flood=len(latencies),
+            seconds=round(time.monotonic() - flood_t0, 1), closed_by_daemon=sum(r["closed_by_peer"] for r in reports),
+            fds_before=baseline_fds, fds_after=num_fds(pid), health_during_flood=len(latencies),
             health_max_ms=round(max(latencies) * 1000, 2))
     with O3Client(rel_daemon.endpoint, timeout=10.0) as fresh:  # a new connection after the flood
         assert fresh.health()["ready"]
