@@ -157,3 +157,12 @@ def test_connections_per_uid_are_capped(guarded):
             return False
 
     assert wait_for(fresh_client_works, 10.0)
+
+
+def test_daemon_raises_its_soft_fd_limit_to_the_hard_one():
+    code = ("import resource; soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard)); "
+            "from o3edge.daemon import raise_fd_limit; raise_fd_limit(); "
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr
