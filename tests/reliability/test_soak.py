@@ -99,5 +99,6 @@ def test_soak(rel_daemon, figures):
 
 
 @pytest.mark.reliability_long
+@pytest.mark.timeout(3600)
 def test_soak_10000(rel_daemon, figures):
     soak(rel_daemon, 10_000, figures, "soak_10000")
