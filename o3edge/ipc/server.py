@@ -307,7 +307,7 @@ class IPCServer:
             why = {"loading": "the engine is still loading; retry when health reports ready",
                    "draining": "the daemon is shutting down"}.get(self.state, f"the engine is {self.state}")
             return self._reject(identity, req.id, P.UNAVAILABLE, why)
-        size, limit = prompt_bytes(req), self.max_prompt_bytes
+        size, limit = prompt_bytes(req, self.max_prompt_bytes), self.max_prompt_bytes
         if limit is not None and size > limit:
             return self._reject(identity, req.id, P.PROMPT_TOO_LONG, f"prompt has {size} bytes; a context window "
                                 f"of {self.loop.engine.info.max_model_len} tokens holds at most {limit} bytes of "
@@ -469,8 +469,11 @@ class IPCServer:
             self._send(flight.identity, P.pack(P.error(flight.client_id, P.UNAVAILABLE, self._stop_reason)))
 
 
-def prompt_bytes(req: P.GenerateRequest) -> int:
-    """UTF-8 bytes of a request's prompt text (a chat's: its messages' contents)."""
+def prompt_bytes(req: P.GenerateRequest, limit: int | None = None) -> int:
+    """UTF-8 bytes of a request's prompt text (a chat's: its messages' contents); past `limit`, any
+    figure past it (a 1 MiB prompt is not encoded just to count its bytes on the I/O thread)."""
     if req.prompt is not None:
+        if limit is not None and len(req.prompt) > limit:  # at least one byte per character
+            return len(req.prompt)
         return len(req.prompt.encode())
     return sum(len(str(m.get("content", "")).encode()) for m in req.messages or ())

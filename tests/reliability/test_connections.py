@@ -144,7 +144,9 @@ def test_connections_per_uid_are_capped(guarded):
         assert refused is not None and 2 <= len(clients) <= 4
         assert "too many connections" in str(refused)
         assert all(c.health()["ready"] for c in clients)  # those let in keep working
-        assert asyncio.run(async_health(guarded.endpoint)) == "refused"  # the asyncio client says so too
+        # the asyncio client is refused too while the cap is reached (a refusal above can come early:
+        # the clients' own probe connections count until the daemon sees them close)
+        assert asyncio.run(async_health(guarded.endpoint)) == "refused" or len(clients) < 4
     finally:
         for c in clients:
             c.close()
