@@ -3,6 +3,12 @@
 The API names load lazily, so the client, the CLI and the power package start without torch.
 """
 
+import warnings
+
+# torch warns "Failed to initialize NumPy" on import wherever numpy is missing (a fresh install):
+# o3edge never uses numpy, so the warning is noise on every start.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
 __all__ = ["O3Config", "O3Model", "GenerationResult"]
 __version__ = "0.1.0"
 

@@ -2,8 +2,8 @@
 
     o3edge-cli prompt "Why is the sky blue?" [--max-tokens N] [--temperature T] [--top-p P] [--top-k K]
                       [--seed S] [--priority critical|high|normal|low] [--deadline-ms MS]
-                      [--system "..."] [--stop S ...] [--raw] [--json]
-    o3edge-cli health | stats | info [--json]
+                      [--system "..."] [--stop S ...] [--raw] [--ignore-eos] [--json]
+    o3edge-cli health | stats | info [--json]      (health --wait S: wait until ready)
     common: [--endpoint ipc:///run/o3edge/o3edge.sock] [--timeout SECONDS] [--wait SECONDS]
     o3edge-cli energy [--log PATH] [--by hour|priority] [--plot out.png] [--json]
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -44,11 +45,24 @@ def summary(done: Completion) -> str:
     parts = [f"{u['prompt_tokens']} prompt + {u['completion_tokens']} completion tokens",
              f"TTFT {t['ttft_ms']:.0f} ms", f"{t['tokens_per_s']:.1f} tokens/s"]
     if done.tokens_per_joule is not None:
-        parts.append(f"{done.tokens_per_joule:.2f} tokens/J")
+        parts.append(tokens_per_joule_text(done.energy))
     if u.get("cached_tokens"):
         cold = f" ({u['cold_tokens']} from the cold tier)" if u.get("cold_tokens") else ""
         parts.append(f"{u['cached_tokens']} cached{cold}")
     return f"[{' · '.join(parts)} · {done.finish_reason}]"
+
+
+def tokens_per_joule_text(energy: dict) -> str:
+    """A request's tokens/J as a reader should take it: labelled when estimated, rough when too short."""
+    tpj, labels = energy["tokens_per_joule"], []
+    if energy.get("is_estimate"):
+        labels.append("estimated")
+    if energy.get("low_confidence"):  # too short for the meter: one significant figure, flagged
+        labels.append("low confidence: too short to measure")
+        figure = f"~{float(f'{tpj:.1g}'):g}"
+    else:
+        figure = f"{tpj:.2f}"
+    return f"{figure} tokens/J" + (f" ({', '.join(labels)})" if labels else "")
 
 
 def cmd_prompt(client: O3Client, args) -> int:
@@ -59,7 +73,8 @@ def cmd_prompt(client: O3Client, args) -> int:
     if not health["ready"]:
         raise DaemonUnavailable(f"o3edged at {client.endpoint} is {health['status']}")
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, priority=args.priority, deadline_ms=args.deadline_ms, stop=args.stop or None)
+                  seed=args.seed, priority=args.priority, deadline_ms=args.deadline_ms, stop=args.stop or None,
+                  ignore_eos=args.ignore_eos or None)
     if args.raw or not client.info().get("has_chat_template"):
         if args.system:
             raise RequestError(P.INVALID_REQUEST, "--system needs a chat model (this model has no chat template) "
@@ -69,14 +84,19 @@ def cmd_prompt(client: O3Client, args) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
             [{"role": "user", "content": args.text}]
         stream = client.stream(messages=messages, **params)
-    wrote = False
+    wrote, tokens = False, 0
     try:
         for event in stream:
+            if isinstance(event, TokenEvent):
+                tokens += len(event.token_ids)
             wrote = _show_event(event, args.json) or wrote
-    except BaseException:
+    except BaseException as exc:
         if wrote:  # end the partial answer's line before the error message
             sys.stdout.write("\n")
             sys.stdout.flush()
+        if isinstance(exc, RequestError) and tokens:  # it ran, then stopped: not a refusal
+            print(f"o3edge-cli: the request stopped after {tokens} tokens: {exc}", file=sys.stderr)
+            return EXIT_REQUEST
         raise
     return EXIT_OK
 
@@ -102,6 +122,11 @@ def _show_event(event: TokenEvent | Completion, as_json: bool) -> bool:
 
 def cmd_show(client: O3Client, args) -> int:
     reply = getattr(client, args.command)()
+    if args.command == "health" and args.wait > 0 and not reply["ready"]:
+        try:  # --wait on health: wait for ready (or a state that will not become ready)
+            reply = client.wait_ready(args.wait)
+        except DaemonUnavailable:
+            reply = client.health()
     body = {k: v for k, v in reply.items() if k not in ("v", "type", "id")}
     if args.json:
         print(json.dumps(body))
@@ -190,14 +215,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds to wait for the daemon's next message (default 30)")
     common.add_argument("--json", action="store_true", help="print JSON instead of text")
     common.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                        help="wait up to SECONDS for a daemon that is still starting (default 0)")
+                        help="wait up to SECONDS for a daemon that is still starting, and with `health` "
+                             "until it is ready (default 0)")
     ap = argparse.ArgumentParser(prog="o3edge-cli", description="Client for the o3edged inference daemon.",
                                  epilog="exit status: 0 ok, 1 request failed / not ready, 2 usage, "
                                         "3 daemon not running, 4 permission denied, 130 interrupted")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prompt", parents=[common], help="generate an answer, streamed")
     p.add_argument("text")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="most tokens to generate (default: the daemon's, 128)")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
@@ -207,6 +234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--system", help="system prompt (chat models)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="send the text as a plain completion prompt, no chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens even past end-of-text")
     for name, text in (("health", "is the daemon live and ready?"), ("stats", "queue, batch, KV cache, speed"),
                        ("info", "model, device, limits, version")):
         sub.add_parser(name, parents=[common], help=text)
@@ -233,6 +261,15 @@ def connect(endpoint: str, args) -> O3Client:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `o3edge-cli stats | head`: the reader has all it wants
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return EXIT_OK
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     if args.command == "energy":
         return cmd_energy(args)

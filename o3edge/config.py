@@ -26,8 +26,8 @@ class O3Config:
     int4_ffn: bool = False  # weight-only INT4 for the FFN projections
     int4_group_size: int = 128
     kv_block_size: int = 32  # tokens per KV block
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 256
+    num_kv_blocks: int | None = None  # None: max_num_seqs x max_model_len tokens, up to kv_cache_memory_mb
+    kv_cache_memory_mb: int = 256  # the most the KV cache may take when num_kv_blocks is None
     cold_tier_mb: int = 0  # shared-memory cold tier for KV blocks; 0: off ([kv] cold_tier_mb in o3edged)
     cold_tier_dir: str = "/dev/shm"  # where its segment lives (a tmpfs)
     max_model_len: int | None = None  # None: the checkpoint's, capped at 4096

@@ -1,7 +1,12 @@
 """o3edged: the inference daemon, in the foreground, logging to stderr (journald under systemd).
 
     o3edged [--config PATH] [--endpoint ipc:///path] [--model DIR] [--device cpu|cuda|cuda:N|auto]
-            [--log-level debug|info|warning|error] [--drop-cold-tier]
+            [--log-level debug|info|warning|error] [--drop-cold-tier] [--detach]
+
+--detach starts it in the background (log and pid file in $XDG_STATE_HOME/o3edge, by default
+~/.local/state/o3edge) and returns once it listens; if a daemon already serves the endpoint it
+says so and exits 0 without touching it. A daemon started by hand (not under the unit's
+StateDirectory=) writes its energy log to that same directory.
 
 Settings come from the TOML file (default /etc/o3edge/o3edge.toml, if present), then O3EDGE_*
 variables, then these flags. With no model configured, the built-in default model is used.
@@ -29,6 +34,7 @@ import argparse
 import faulthandler
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -43,7 +49,10 @@ from o3edge.errors import CheckpointError, ConfigError, O3Error
 from o3edge.ipc.endpoint import EndpointInUse
 from o3edge.ipc.engine_loop import Hooks
 from o3edge.ipc.server import IPCServer
+from o3edge.memory import limit_arenas
+from o3edge.detach import PidFile, detach
 from o3edge.model_path import resolve_model_path
+from o3edge.paths import user_state_dir
 from o3edge.notify import Notifier
 from o3edge.settings import DEFAULT_CONFIG_PATH, Settings, load_settings
 
@@ -54,6 +63,7 @@ STATUS_EVERY_S = 5.0
 PHASE_BUDGET_USEC = 120_000_000  # EXTEND_TIMEOUT_USEC per start-up phase (the unit's TimeoutStartSec)
 MAX_IDLE_WAKE_S = 1.0  # the engine loop's longest idle wait, when no watchdog asks for less
 FAULT_ENV = "O3EDGE_TEST_FAULT"
+SWITCH_INTERVAL_S = 0.001  # Python's default is 0.005
 
 
 class Daemon:
@@ -67,7 +77,9 @@ class Daemon:
         self.stop_signal: int | None = None
         self.reload_requested = False
         on_loop = with_test_fault(self.notifier.watchdog, os.environ.get(FAULT_ENV))
-        self.energy = EnergyService(settings.power, settings.metrics, state_dir=state_directory())
+        # a daemon started by hand keeps its energy log in the user's state directory
+        self.energy = EnergyService(settings.power, settings.metrics,
+                                    state_dir=state_directory() or str(user_state_dir()))
         hooks = Hooks(on_loop=on_loop, on_phase=self._on_phase, **self.energy.hooks())
         # The loop pings only when it comes round: waking at least every half ping interval keeps
         # consecutive pings 1/2 to 3/4 of WATCHDOG_USEC apart.
@@ -75,6 +87,7 @@ class Daemon:
         idle_wake_s = min(MAX_IDLE_WAKE_S, ping_s / 2) if ping_s else MAX_IDLE_WAKE_S
         self.server = IPCServer(settings.server, self._load_engine, hooks, idle_wake_s)
         self.energy.attach(self.server)
+        self.server.about["energy_log"] = str(self.energy.log_path) if self.energy.log_path else None
 
     def _on_phase(self, phase: str) -> None:
         """Engine thread: before loading and warming up, each phase gets its own start-up budget."""
@@ -241,6 +254,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"))
     ap.add_argument("--drop-cold-tier", action="store_true",
                     help="remove the KV cold tier's shared-memory segments (unused ones) before starting")
+    ap.add_argument("--detach", action="store_true", help="run in the background (log and pid file in "
+                    "~/.local/state/o3edge); if one already runs on the endpoint, say so and exit 0")
+    ap.add_argument("--pidfile", help=argparse.SUPPRESS)  # written by --detach's background daemon
     return ap.parse_args(argv)
 
 
@@ -251,10 +267,27 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
 
 
+def raise_fd_limit() -> int:
+    """Raise the soft open-files limit to the hard one (libzmq aborts the process when accept() hits it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     faulthandler.enable()  # the watchdog's SIGABRT then prints every thread's stack
     configure_logging(args.log_level or "info")
+    raise_fd_limit()
+    limit_arenas()  # before any thread starts: per-thread heaps kept big inputs' memory for good
+    # The I/O thread answers health in well under a millisecond of Python, but waits for the GIL
+    # behind the engine and tokenizer threads: a shorter switch interval bounds that wait.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     overrides = {"server.endpoint": args.endpoint, "engine.model_path": args.model, "engine.device": args.device,
                  "log.level": args.log_level}
     try:
@@ -262,12 +295,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG
+    if args.detach:
+        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--detach"]
+        return detach(rest, settings.server.endpoint)
     configure_logging(settings.log.level)
     if args.drop_cold_tier:
         drop_cold_tier(settings.kv.cold_tier_dir)
+    pidfile = PidFile(args.pidfile)
     daemon = Daemon(settings, reread=lambda: load_settings(args.config, None, overrides))
     daemon.install_signal_handlers()
-    return daemon.run()
+    try:
+        return daemon.run()
+    finally:
+        pidfile.remove()
 
 
 if __name__ == "__main__":

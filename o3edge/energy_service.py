@@ -22,6 +22,7 @@ from prometheus_client import start_http_server
 
 from o3edge.errors import ConfigError
 from o3edge.ipc.metrics import RequestCounter, ServiceCollector, server_figures
+from o3edge.paths import user_state_dir
 from o3edge.power import EnergyAccountant, EnergyLog, EnergySampler, auto_meter
 from o3edge.power.metrics import new_registry, register_energy_metrics, write_textfile
 from o3edge.power.records import EnergyTotals, RequestEnergy
@@ -53,12 +54,25 @@ def energy_log_path(power: PowerSettings, state_dir: str | None) -> Path | None:
 
 
 def default_energy_log() -> Path:
-    """The log o3edged writes with this machine's settings (file, then O3EDGE_* variables), for the CLI."""
+    """The log o3edged writes with this machine's settings (file, then O3EDGE_* variables), for the CLI:
+    the configured one; else, of the service's (/var/lib/o3edge) and a hand-started daemon's (the
+    user's state directory), the one written last; else the user's."""
     try:
         configured = load_settings().power.energy_log
-    except ConfigError:  # unreadable or broken settings: the service's default is still the best guess
+    except ConfigError:  # unreadable or broken settings: the defaults are still the best guess
         configured = ""
-    return energy_log_path(PowerSettings(energy_log=configured), state_directory() or DEFAULT_STATE_DIR)
+    if configured or state_directory():
+        return energy_log_path(PowerSettings(energy_log=configured), state_directory())
+    candidates = [user_state_dir() / ENERGY_LOG_NAME, Path(DEFAULT_STATE_DIR) / ENERGY_LOG_NAME]
+    existing = [p for p in candidates if _exists(p)]
+    return max(existing, key=lambda p: p.stat().st_mtime) if existing else candidates[0]
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a directory we may not read
+        return False
 
 
 def reply_energy(energy: RequestEnergy) -> dict:

@@ -56,6 +56,11 @@ class ServerSettings:
     drain_timeout_s: float = 30.0  # keep below the unit's TimeoutStopSec (45 s)
     queue_max_requests: int = 256
     queue_max_prompt_tokens: int = 262144
+    # Who may connect, beyond the socket file's mode: uids or user names, gids or group names,
+    # comma-separated; both empty = anyone who can open the socket. The daemon's own uid always may.
+    allowed_uids: str = ""
+    allowed_groups: str = ""
+    max_connections_per_uid: int = 256
 
     def __post_init__(self):
         path = self.endpoint.removeprefix("ipc://")
@@ -71,7 +76,12 @@ class ServerSettings:
         if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
             raise ConfigError(f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         _check_positive(self, "server", ("max_inflight_per_client", "queue_max_requests",
-                                         "queue_max_prompt_tokens"))
+                                         "queue_max_prompt_tokens", "max_connections_per_uid"))
+        from o3edge.ipc.access import parse_gids, parse_uids  # names must exist now, not at first connect
+        try:
+            parse_uids(self.allowed_uids), parse_gids(self.allowed_groups)
+        except ConfigError as e:
+            raise ConfigError(f"server.allowed_uids/allowed_groups: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def test_metrics_textfile_has_energy_request_queue_and_kv_metrics(served, client
     text = wait_for(lambda: path.exists() and wanted in path.read_text() and path.read_text())
     assert text, path.read_text() if path.exists() else "no textfile"
     for name in ("o3edge_energy_joules_total{", "o3edge_tokens_total{kind=\"generated\"}",
-                 "o3edge_tokens_per_joule{scope=\"with_idle\",window=\"60s\"}", "o3edge_energy_meter_info{",
+                 "o3edge_tokens_per_joule{is_estimate=\"", "scope=\"with_idle\",window=\"60s\"}", "o3edge_energy_meter_info{",
                  "o3edge_queue_depth ", "o3edge_running ", "o3edge_kv_blocks{state=\"used\"}",
                  "o3edge_kv_blocks{state=\"free\"}", "o3edge_prefix_hit_rate ", "o3edge_requests_admitted_total ",
                  "o3edge_class_queue_depth{priority=\"critical\"}", "o3edge_ready 1.0"):

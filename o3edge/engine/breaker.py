@@ -30,9 +30,11 @@ class Breaker:
 
     def record_timeout(self, now: float) -> None:
         self.consecutive_timeouts += 1
-        if self.current(now) == HALF_OPEN or self.consecutive_timeouts >= self.threshold:
-            if self.state != OPEN:
-                self.times_opened += 1
+        state = self.current(now)
+        if state == OPEN:  # already open: the cooldown runs from the opening, not from each timeout
+            return
+        if state == HALF_OPEN or self.consecutive_timeouts >= self.threshold:
+            self.times_opened += 1
             self.state, self.opened_at = OPEN, now
 
     def record_success(self, now: float) -> None:

@@ -97,6 +97,13 @@ def resolve_dtype(name: str, device: torch.device, built: torch.dtype | None = N
     return getattr(torch, name)
 
 
+def kv_blocks_needed(config: O3Config, max_len: int, block_bytes: int) -> int:
+    """KV blocks for a full batch of full-length sequences (max_num_seqs x max_model_len), at most
+    kv_cache_memory_mb: more could never be used at once, only kept for prefix reuse."""
+    full_batch = config.max_num_seqs * -(-max_len // config.kv_block_size)
+    return max(2, min(full_batch, config.kv_cache_memory_mb * (1 << 20) // block_bytes))
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged, prefix-reusing KV cache."""
 
@@ -120,7 +127,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(model_dir)
         max_len = min(config.max_model_len or min(args.max_position_embeddings, 4096), args.max_position_embeddings)
         block_bytes = ModelRunner.block_bytes(args, config.kv_block_size, dtype)
-        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_mb * (1 << 20) // block_bytes)
+        num_blocks = config.num_kv_blocks or kv_blocks_needed(config, max_len, block_bytes)
         if onnx:
             self.runner = OrtRunner(model_dir, device, config.num_threads or default_num_threads(), config.seed)
         else:

@@ -4,9 +4,10 @@ Each step has a token budget. Running sequences go first (a decoding one needs o
 still being prefilled takes a chunk of what is left), then waiting ones are admitted in order of
 priority class, then earliest deadline, then arrival, while budget, batch slots, per-class limits and
 KV blocks last. A long prompt is thus split into chunks and never stalls running decodes for more
-than one chunk. When blocks or slots run out, the least important, newest running sequence is
-preempted (its blocks freed, its tokens recomputed on resume, or copied back from the cold tier
-when the engine has one) — to admit a more important waiting
+than one chunk; while a more important sequence runs or waits, a less important prompt's chunks
+shrink to an eighth of the budget. When blocks or slots run out, the least important, newest
+running sequence is preempted (its blocks freed, its tokens recomputed on resume, or copied back
+from the cold tier when the engine has one) — to admit a more important waiting
 one, or to let a more important running one grow. An optional batching window lets an idle engine
 wait briefly for a fuller first batch (throughput over latency at light load). Plain Python: no
 tensors; the clock is given.
@@ -44,6 +45,9 @@ DEFAULT_POLICY = {
 }
 
 
+BACKGROUND_SHARE = 8  # a less important prefill gets 1/8 of a step's tokens while more important work is on
+
+
 def _key(seq: Sequence):
     return (seq.priority, seq.deadline if seq.deadline is not None else math.inf, seq.arrival_time, seq.seq_id)
 
@@ -76,27 +80,33 @@ class Scheduler:
     # ---- admission to the queue ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue seq, or raise Busy: queue full of requests at least as important, or its class (and
-        every lower one) shedding load. A full queue drops its least important waiting request
-        (finish reason "busy") to take a more important one."""
-        while self._queue_full(seq):
-            victim = max((s for s in self.waiting if not s.was_admitted), key=_key, default=None)
-            if victim is None or victim.priority <= seq.priority:
-                raise Busy(f"the queue is full ({self.max_queue_requests} requests or "
-                           f"{self.max_queue_prompt_tokens} prompt tokens waiting)")
-            self.finish(victim, "busy")  # a more important request takes its place
-            self.expired.append(victim)
+        every lower one) shedding load. A full queue drops its least important waiting requests
+        (finish reason "busy") to take a more important one: all that it needs, or none."""
         now, cls = self.clock(), seq.priority
         while self.breakers[cls].current(now) == OPEN:
             if cls == Priority.LOW:
                 raise Busy(f"priority class {seq.priority.name.lower()} is shedding load (circuit breaker open)")
             cls = Priority(cls + 1)
+        for victim in self._displaced_by(seq, cls):  # raises Busy before anything is dropped
+            self.finish(victim, "busy")
+            self.expired.append(victim)
         if cls != seq.priority:
             seq.requested_priority, seq.priority = seq.priority, cls
         self._enqueue(seq, now)
 
-    def _queue_full(self, seq: Sequence) -> bool:
-        return (len(self.waiting) >= self.max_queue_requests
-                or sum(len(s) for s in self.waiting) + len(seq) > self.max_queue_prompt_tokens)
+    def _displaced_by(self, seq: Sequence, cls: Priority) -> list[Sequence]:
+        """The waiting requests (never-run, less important than cls) that must go for seq to fit."""
+        candidates = sorted((s for s in self.waiting if not s.was_admitted and s.priority > cls), key=_key,
+                            reverse=True)
+        num, tokens, victims = len(self.waiting), sum(len(s) for s in self.waiting) + len(seq), []
+        while num >= self.max_queue_requests or tokens > self.max_queue_prompt_tokens:
+            if not candidates:
+                raise Busy(f"the queue is full ({self.max_queue_requests} requests or "
+                           f"{self.max_queue_prompt_tokens} prompt tokens waiting)")
+            victim = candidates.pop(0)
+            victims.append(victim)
+            num, tokens = num - 1, tokens - len(victim)
+        return victims
 
     def _enqueue(self, seq: Sequence, now: float) -> None:
         seq.status, seq.enqueue_time = SequenceStatus.WAITING, now
@@ -111,13 +121,25 @@ class Scheduler:
         now = self.clock()
         self._expire(now)
         batch: dict[Sequence, int] = {}
-        for seq in list(self.running):
-            if self.token_budget - sum(batch.values()) == 0:
-                break
-            if seq in self.running and self._make_room(seq, batch):
-                batch[seq] = min(seq.num_uncomputed, self.token_budget - sum(batch.values()))
+        # A running prefill less important than some other running or waiting sequence goes after
+        # admission, with a small share of the budget: its chunks would otherwise fill every step
+        # while a critical request waits to start, or make each of its decode steps slow.
+        classes = [s.priority for s in self.running] + [s.priority for s in self.waiting[:1]]
+        top = min(classes, default=None)
+        later = [s for s in self.running if s.priority != top and s.num_uncomputed > 1]
+        self._continue([s for s in self.running if s not in later], batch, self.token_budget)
         self._admit(now, batch)
+        self._continue(later, batch, sum(batch.values()) + max(1, self.token_budget // BACKGROUND_SHARE))
         return list(batch.items())
+
+    def _continue(self, seqs: list[Sequence], batch: dict, limit: int) -> None:
+        """Give running sequences their next tokens while the budget (up to `limit` in all) lasts."""
+        limit = min(limit, self.token_budget)
+        for seq in seqs:
+            if limit - sum(batch.values()) <= 0:
+                break
+            if seq in self.running and seq not in batch and self._make_room(seq, batch):
+                batch[seq] = min(seq.num_uncomputed, limit - sum(batch.values()))
 
     def _expire(self, now: float) -> None:
         """Finish sequences past their deadline; count queue waits past the class budget."""

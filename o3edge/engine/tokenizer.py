@@ -39,7 +39,12 @@ class Tokenizer:
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not: 1 MiB held every other thread for 1.6 s)
+        return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token can stand for (its longest vocabulary entry)."""
+        return max((len(piece.encode()) for piece in self.hf.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

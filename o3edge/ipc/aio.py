@@ -20,8 +20,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from o3edge.ipc import protocol as P
-from o3edge.ipc.client import Completion, DaemonUnavailable, TokenEvent, check_endpoint, completion, \
-    default_endpoint, final_error, generate_fields, reply_and_box
+from o3edge.ipc.client import Completion, DaemonUnavailable, PermissionDenied, TokenEvent, check_endpoint, \
+    completion, default_endpoint, final_error, generate_fields, reply_and_box
 
 
 class AsyncO3Client:
@@ -34,7 +34,8 @@ class AsyncO3Client:
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._refusal: PermissionDenied | None = None  # the daemon's access check turned us away
         self._sock.connect(self.endpoint)
         self._ids = itertools.count(1)
         self._inbox: dict[str, asyncio.Queue] = {}
@@ -113,8 +114,16 @@ class AsyncO3Client:
     async def _send(self, op: str, **fields) -> str:
         if not self._tasks:
             self._tasks = [asyncio.create_task(self._read())]
+        if self._refusal is not None:
+            raise self._refusal
         rid = f"a{next(self._ids)}"
         self._inbox[rid] = asyncio.Queue()
+        # a DEALER with no connection (one the daemon refused) would wait in send() for ever
+        if not await self._sock.poll(self.timeout * 1000, zmq.POLLOUT):
+            self._inbox.pop(rid, None)
+            raise self._refusal or DaemonUnavailable(f"o3edged at {self.endpoint} kept no "
+                                                     f"connection from this client for {self.timeout:g} s (refused "
+                                                     "by its access check, or not answering)")
         await self._sock.send(P.pack({"v": P.PROTOCOL_VERSION, "op": op, "id": rid, **fields}))
         return rid
 
@@ -138,6 +147,11 @@ class AsyncO3Client:
                 self._file(await self._sock.recv())
             if self._monitor in events:
                 event = parse_monitor_message(await self._monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self._refusal = PermissionDenied(f"o3edged at {self.endpoint} refused this connection: this user "
+                                                     "is not in its allow-list, or has too many connections open")
+                    for box in self._inbox.values():
+                        box.put_nowait(self._refusal)
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     while await self._sock.poll(0):  # what the daemon sent before it went
                         self._file(await self._sock.recv())

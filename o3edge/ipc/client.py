@@ -149,13 +149,14 @@ class O3Client:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self._sock.connect(self.endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._ids = itertools.count(1)
         self._inbox: dict[str, deque] = {}  # request id -> replies not yet read
+        self._cut: set[str] = set()  # requests in flight when the connection dropped: no more replies come
 
     # ---- requests ---------------------------------------------------------------------------
     def health(self) -> dict:
@@ -223,9 +224,15 @@ class O3Client:
         return msg
 
     def _send(self, op: str, **fields) -> str:
-        while self._monitor.poll(0):  # forget disconnects from before this request
-            self._monitor.recv_multipart()
+        while self._monitor.poll(0):  # forget disconnects from before this request (not a refusal)
+            self._refused(parse_monitor_message(self._monitor.recv_multipart()))
         rid = f"c{next(self._ids)}"
+        # a DEALER with no connection (one the daemon refused) would wait in send() for ever
+        if not self._sock.poll(self.timeout * 1000, zmq.POLLOUT):
+            while self._monitor.poll(0):
+                self._refused(parse_monitor_message(self._monitor.recv_multipart()))
+            raise DaemonUnavailable(f"o3edged at {self.endpoint} kept no connection from this client for "
+                                    f"{self.timeout:g} s (refused by its access check, or not answering)")
         self._inbox[rid] = deque()
         self._sock.send(P.pack({"v": P.PROTOCOL_VERSION, "op": op, "id": rid, **fields}))
         return rid
@@ -235,24 +242,34 @@ class O3Client:
         box = self._inbox[rid]
         end = time.monotonic() + self.timeout
         while not box:
+            if rid in self._cut:  # what came before the drop is read: the rest never will
+                self._cut.discard(rid)
+                raise DaemonUnavailable(f"o3edged at {self.endpoint} closed the connection (stopped or died)")
             left = end - time.monotonic()
             if left <= 0:
                 raise DaemonUnavailable(f"no reply from o3edged at {self.endpoint} within {self.timeout:g} s")
             events = dict(self._poller.poll(left * 1000))
             if self._sock in events:
                 self._file(self._sock.recv())
-            if self._monitor in events and self._disconnected() and not box:
-                raise DaemonUnavailable(f"o3edged at {self.endpoint} closed the connection (stopped or died)")
+            if self._monitor in events and self._disconnected():
+                self._cut.update(self._inbox)
         return box.popleft()
 
     def _disconnected(self) -> bool:
         """Read one monitor event; on a disconnect, first take in what the daemon sent before it."""
         event = parse_monitor_message(self._monitor.recv_multipart())
+        self._refused(event)
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return False
         while self._sock.poll(0):
             self._file(self._sock.recv())
         return True
+
+    def _refused(self, event: dict) -> None:
+        """Raise PermissionDenied if the daemon's access check turned this connection away."""
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            raise PermissionDenied(f"o3edged at {self.endpoint} refused this connection: this user is not in its "
+                                   "allow-list, or has too many connections open")
 
     def _file(self, frame: bytes) -> None:
         msg, box = reply_and_box(frame, self._inbox)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import o3edge
 from o3edge.ipc import protocol as P
+from o3edge.memory import rss_breakdown
 
 if TYPE_CHECKING:
     from o3edge.engine.engine import LLMEngine
@@ -39,6 +40,7 @@ def stats(server: "IPCServer", request_id: str) -> dict:
     return P.reply("stats", request_id, state=server.state, uptime_s=_uptime(server),
                    queue_depth=snap.pop("waiting", 0), running=snap.pop("running", 0),
                    requests_in_flight=len(server.routes), clients=server.routes.num_clients,
+                   connections={"open": sum(server.access.open_by_uid.values()), **server.access.counts},
                    **snap, **server.counts, **extra)
 
 
@@ -46,9 +48,23 @@ def info(server: "IPCServer", request_id: str) -> dict:
     s = server.settings
     base = {"state": server.state, "version": o3edge.__version__, "protocol_version": P.PROTOCOL_VERSION,
             "pid": os.getpid(), "max_message_bytes": s.max_message_bytes,
-            "max_inflight_per_client": s.max_inflight_per_client}
+            "max_inflight_per_client": s.max_inflight_per_client, "max_prompt_bytes": server.max_prompt_bytes}
     model = engine_info(server.loop.engine) if server.loop.state == "ready" else {"model": None}
-    return P.reply("info", request_id, **base, **model)
+    return P.reply("info", request_id, **base, **model, **server.about, memory=memory_info(server))
+
+
+def memory_info(server: "IPCServer") -> dict:
+    """What the daemon's resident memory is made of, in MiB."""
+    mib = lambda n: round(n / 2**20, 1)  # noqa: E731
+    out = {k.replace("_bytes", "_mib"): mib(v) for k, v in rss_breakdown().items()}
+    engine = server.loop.engine if server.loop.state == "ready" else None
+    if engine is not None:
+        out["kv_cache_mib"] = mib(engine.info.kv_cache_bytes)
+        model = getattr(getattr(engine, "runner", None), "model", None)
+        if model is not None:
+            out["weights_mib"] = mib(sum(t.numel() * t.element_size() for t in model.state_dict().values()))
+    out["trims"] = server.trimmer.num_trims
+    return out
 
 
 def engine_info(engine: "LLMEngine") -> dict:

@@ -1,13 +1,18 @@
 """The ZeroMQ service: one ROUTER socket, an I/O thread that reads it, and the engine loop's thread.
 
 The I/O thread reads requests, validates them, answers health/stats/info/cancel itself and hands
-generate jobs to the engine loop over a queue. The engine loop sends its replies (tokens, done,
-errors) itself, once per step, under `lock`, which guards the socket and the routing table: a
-ZeroMQ socket may be used by several threads one at a time. The I/O thread never holds the lock
+generate requests to a tokenizer lane (o3edge.ipc.intake: off this thread, fair between
+connections), which hands the tokenized job to the engine loop over a queue. A prompt longer in
+bytes than the context window could ever hold is refused before any tokenizing (no unbounded
+tokenizer work or memory). The engine loop sends its replies (tokens, done, errors) itself, once
+per step, under `lock`, which guards the socket and the routing table: a ZeroMQ socket may be used
+by several threads one at a time. The I/O thread never holds the lock
 while it waits: it sleeps in poll() on the socket's ZMQ_FD and a wake-up pipe, and whoever touches
 the socket last checks ZMQ_EVENTS, so no incoming message is left unnoticed (ZMQ_FD is
 edge-triggered). A client that vanishes (EHOSTUNREACH) or stops reading (EAGAIN once its
-high-water mark fills) has its jobs aborted, which frees their KV blocks.
+high-water mark fills) has its jobs aborted, which frees their KV blocks. One that stopped reading
+is still owed one final `cancelled` error per aborted request: the I/O thread retries those sends
+until they fit (a frozen client that resumes reads them), the peer disconnects, or OWED_TTL_S passes.
 
 Lifecycle: start() binds (after taking the endpoint lock) and begins loading the engine in the
 background, so `health` answers `loading` at once and `ready` after the warm-up; drain() refuses
@@ -24,6 +29,7 @@ import os
 import select
 import threading
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable
 
 import zmq
@@ -31,9 +37,12 @@ import zmq
 from o3edge.errors import O3Error
 from o3edge.ipc import protocol as P
 from o3edge.ipc import replies
+from o3edge.ipc.access import AccessControl, parse_gids, parse_uids
 from o3edge.ipc.endpoint import EndpointLock, ipc_path, prepare_socket_dir, remove_socket, secure_socket
 from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
+from o3edge.ipc.intake import Lane
 from o3edge.ipc.routes import Routes
+from o3edge.memory import Trimmer
 from o3edge.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -50,6 +59,19 @@ HEARTBEAT_TIMEOUT_MS = 6000
 BAN_S = 60.0  # how long a peer that broke the framing rules is ignored
 POLL_MS = 100
 BATCH = 64  # messages read per turn of the I/O thread
+OWED_TTL_S = 600.0  # how long final replies to a client that stopped reading are kept for it
+OWED_MAX_PEERS = 1024
+SHORT_PROMPT_BYTES = 4096  # prompts up to this size take the short lane: never behind a long encode
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A generate request admitted but not yet tokenized."""
+
+    rid: str
+    identity: bytes
+    request: P.GenerateRequest
+    received: float
 
 
 class IPCServer:
@@ -60,6 +82,8 @@ class IPCServer:
         self.settings = settings
         self.hooks = hooks or Hooks()
         self.ctx = zmq.Context()
+        self.access = AccessControl(self.ctx, parse_uids(settings.allowed_uids), parse_gids(settings.allowed_groups),
+                                    settings.max_connections_per_uid)
         self.loop = EngineLoop(load_engine, self._deliver, self.hooks, idle_wake_s)
         self.lock = threading.RLock()  # the ROUTER socket and self.routes
         self.routes = Routes()
@@ -72,6 +96,12 @@ class IPCServer:
         self._router: zmq.Socket | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ids = itertools.count(1)
+        self._tokenizing: set[str] = set()  # rids admitted, not yet handed to the engine loop (under lock)
+        self._lanes = (Lane("o3edge-tokenize-short", self._encode), Lane("o3edge-tokenize-long", self._encode))
+        self._max_prompt_bytes: int | None = None
+        self.about: dict = {}  # extra `info` fields from the daemon (the energy log's path)
+        self.trimmer = Trimmer()  # gives memory back after large inputs, when the I/O thread idles
+        self._owed: OrderedDict[bytes, tuple[float, list[bytes]]] = OrderedDict()  # final replies not yet sent
         self._stop_io = False
         self._closed = False
         self._stop_reason = "the daemon stopped before this request finished"  # for jobs cut at close
@@ -90,6 +120,8 @@ class IPCServer:
             raise
         self._io_thread.start()
         self._engine_thread.start()
+        for lane in self._lanes:
+            lane.start()
         log.info("listening on %s%s", self.settings.endpoint,
                  f" and {self.settings.tcp_endpoint}" if self.settings.tcp_endpoint else "")
 
@@ -100,12 +132,14 @@ class IPCServer:
                            (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS), (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
                            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)):
             r.setsockopt(opt, value)
+        self.access.prepare(r)  # before bind: no connection escapes the ZAP check
         try:
             r.bind(self.settings.endpoint)
             secure_socket(self._socket_path, self.settings.socket_mode)
             if self.settings.tcp_endpoint:
                 r.bind(self.settings.tcp_endpoint)
         except (zmq.ZMQError, OSError) as exc:
+            self.access.close(r)
             r.close(linger=0)
             raise O3Error(f"cannot listen on {self.settings.endpoint}: {exc}", "endpoint_unavailable") from None
         return r
@@ -157,10 +191,14 @@ class IPCServer:
         self.loop.stop(self._stop_reason)
         if self._engine_thread.is_alive() and self.loop.state != "loading":  # a load is not worth waiting for
             self._engine_thread.join(timeout=10.0)
+        for lane in self._lanes:
+            lane.stop()
         self._stop_io = True
         self._wake_io()
         if self._io_thread.is_alive():
             self._io_thread.join(timeout=5.0)
+        if not self._io_thread.is_alive():
+            self.access.close(None)
         if not self._engine_thread.is_alive() and not self._io_thread.is_alive():
             self.ctx.term()
             os.close(self._wake_r)
@@ -172,7 +210,8 @@ class IPCServer:
 
     def update_limits(self, settings: ServerSettings) -> None:
         """Apply reloaded limits (queue_max_*, max_inflight_per_client); endpoints and socket options stay."""
-        kept = ("endpoint", "tcp_endpoint", "socket_mode", "max_message_bytes")
+        kept = ("endpoint", "tcp_endpoint", "socket_mode", "max_message_bytes", "allowed_uids", "allowed_groups",
+                "max_connections_per_uid")
         self.settings = dataclasses.replace(settings, **{k: getattr(self.settings, k) for k in kept})
 
     def status_line(self) -> str:
@@ -187,10 +226,13 @@ class IPCServer:
         try:
             while not self._stop_io:
                 with self.lock:
+                    if self._owed:
+                        self._pay_owed(time.monotonic())
                     batch, more = self._read_batch()
                 for message in batch:
                     self._handle(*message)
                 if not batch and not more:
+                    self.trimmer.maybe_trim()
                     self._sleep(poller)
             with self.lock:
                 self._forward()
@@ -200,6 +242,7 @@ class IPCServer:
             self.io_failed = True
         finally:
             with self.lock:
+                self._router.disable_monitor()
                 self._router.close()
 
     def _read_batch(self) -> tuple[list, bool]:
@@ -210,6 +253,7 @@ class IPCServer:
             while self._router.getsockopt(zmq.RCVMORE):
                 frame = self._router.recv()
                 count += 1
+                self.trimmer.note(len(frame))
                 if count <= P.MAX_FRAMES:
                     frames.append(frame)
             batch.append((identity, frames, count, time.monotonic()))
@@ -263,23 +307,55 @@ class IPCServer:
             why = {"loading": "the engine is still loading; retry when health reports ready",
                    "draining": "the daemon is shutting down"}.get(self.state, f"the engine is {self.state}")
             return self._reject(identity, req.id, P.UNAVAILABLE, why)
-        engine = self.loop.engine
-        try:  # outside the lock: a long prompt must not hold up the engine's replies
-            ids = engine.encode(req.prompt, list(req.messages) if req.messages else None)
-        except O3Error as exc:
-            return self._reject(identity, req.id, exc.code, exc.message)
-        if len(ids) >= engine.info.max_model_len:
-            return self._reject(identity, req.id, P.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the "
-                                f"context window is {engine.info.max_model_len}")
+        size, limit = prompt_bytes(req, self.max_prompt_bytes), self.max_prompt_bytes
+        if limit is not None and size > limit:
+            return self._reject(identity, req.id, P.PROMPT_TOO_LONG, f"prompt has {size} bytes; a context window "
+                                f"of {self.loop.engine.info.max_model_len} tokens holds at most {limit} bytes of "
+                                "text for this model")
         with self.lock:
             problem = self._admission_problem(identity, req)
             if problem:
                 return self._reject(identity, req.id, *problem)
             rid = f"r{next(self._ids)}"
             self.routes.add(rid, identity, req.id)
-            deadline = now + req.deadline_ms / 1000 if req.deadline_ms is not None else None
-            self.loop.submit(Job(rid, identity, req, ids, now, deadline))  # before any abort of this peer
+            self._tokenizing.add(rid)
         self.counts["requests_total"] += 1
+        lane = self._lanes[0 if size <= SHORT_PROMPT_BYTES else 1]
+        lane.put(identity, req.priority, Pending(rid, identity, req, now))
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """Prompt bytes past which no prompt can fit the context window (None: not known)."""
+        if self._max_prompt_bytes is None and self.loop.state == "ready":
+            engine = self.loop.engine
+            per_token = getattr(engine.tokenizer, "max_token_bytes", None)
+            self._max_prompt_bytes = engine.info.max_model_len * per_token() if per_token else 0
+        return self._max_prompt_bytes or None
+
+    def _encode(self, p: Pending) -> None:
+        """A lane's thread: tokenize, check the context window, hand the job to the engine loop."""
+        engine, req = self.loop.engine, p.request
+        try:
+            ids = engine.encode(req.prompt, list(req.messages) if req.messages else None)
+            if len(ids) >= engine.info.max_model_len:
+                raise O3Error(f"prompt has {len(ids)} tokens; the context window is {engine.info.max_model_len}",
+                              P.PROMPT_TOO_LONG)
+        except O3Error as exc:
+            with self.lock:
+                if self._take_pending(p.rid):
+                    self.routes.remove(p.rid)
+                    self._reject(p.identity, req.id, exc.code, exc.message)
+            return
+        with self.lock:
+            if self._take_pending(p.rid):  # else cancelled or its client dropped meanwhile
+                deadline = p.received + req.deadline_ms / 1000 if req.deadline_ms is not None else None
+                self.loop.submit(Job(p.rid, p.identity, req, ids, p.received, deadline))
+
+    def _take_pending(self, rid: str) -> bool:
+        if rid in self._tokenizing:
+            self._tokenizing.discard(rid)
+            return True
+        return False
 
     def _admission_problem(self, identity: bytes, req: P.GenerateRequest) -> tuple[str, str] | None:
         if self.routes.find(identity, req.id) is not None:
@@ -298,7 +374,10 @@ class IPCServer:
     def _cancel(self, identity: bytes, req: P.CancelRequest) -> None:
         with self.lock:
             rid = self.routes.find(identity, req.target)
-            if rid is not None:
+            if rid is not None and self._take_pending(rid):  # not at the engine yet: answer it here
+                self.routes.remove(rid)
+                self._reply(identity, P.error(req.target, P.CANCELLED, "cancelled by the client"))
+            elif rid is not None:
                 self.loop.abort(rid, P.CANCELLED, "cancelled by the client")
             self._reply(identity, P.reply("cancel", req.id, target=req.target, found=rid is not None))
 
@@ -337,25 +416,64 @@ class IPCServer:
         try:
             self._router.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.Again:
-            self._drop_peer(identity, "stopped reading (send queue full)")
+            self._drop_peer(identity, "stopped reading (send queue full)",
+                            owe="cancelled by the daemon: this client stopped reading its replies (its send queue "
+                                f"of {SNDHWM} messages filled); resend the request")
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 log.warning("send to %s failed: %s", identity.hex(), exc)
             self._drop_peer(identity, "disconnected")
 
-    def _drop_peer(self, identity: bytes, reason: str, ban_until: float | None = None) -> None:
-        """Abort a client's jobs (freeing their KV blocks) and forget it."""
+    def _drop_peer(self, identity: bytes, reason: str, ban_until: float | None = None, owe: str | None = None) -> None:
+        """Abort a client's jobs (freeing their KV blocks) and forget it; with `owe`, each job's final
+        error (that message, code `cancelled`) is sent once the client reads again."""
+        client_ids = list(self.routes.peers.get(identity, {}))
         rids = self.routes.drop(identity)
+        if owe is not None and client_ids:
+            _, earlier = self._owed.pop(identity, (0.0, []))
+            payloads = [P.pack(P.error(cid, P.CANCELLED, owe)) for cid in client_ids]
+            self._owed[identity] = (time.monotonic() + OWED_TTL_S, earlier + payloads)
+            while len(self._owed) > OWED_MAX_PEERS:
+                self._owed.popitem(last=False)
+        for lane in self._lanes:
+            lane.discard(identity)
         for rid in rids:
-            self.loop.abort(rid)
+            if not self._take_pending(rid):
+                self.loop.abort(rid)
         if ban_until is not None:
             self.routes.ban(identity, ban_until)
         if rids or ban_until is not None:
             self.counts["dropped_peers"] += 1
             log.info("dropped client %s: it %s; aborted %d requests", identity.hex(), reason, len(rids))
 
+    def _pay_owed(self, now: float) -> None:
+        """Send what clients that stopped reading are owed, as far as their queues have room (lock held)."""
+        for identity in list(self._owed):
+            until, payloads = self._owed[identity]
+            while payloads and now < until:
+                try:
+                    self._router.send_multipart([identity, payloads[0]], zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:  # gone: its closed connection is what it sees
+                    payloads.clear()
+                else:
+                    payloads.pop(0)
+            if not payloads or now >= until:
+                del self._owed[identity]
+
     def _fail_remaining(self) -> None:
         """At close: whatever is still in flight gets a final `unavailable`."""
         for rid in list(self.routes.flights):
             flight = self.routes.remove(rid)
             self._send(flight.identity, P.pack(P.error(flight.client_id, P.UNAVAILABLE, self._stop_reason)))
+
+
+def prompt_bytes(req: P.GenerateRequest, limit: int | None = None) -> int:
+    """UTF-8 bytes of a request's prompt text (a chat's: its messages' contents); past `limit`, any
+    figure past it (a 1 MiB prompt is not encoded just to count its bytes on the I/O thread)."""
+    if req.prompt is not None:
+        if limit is not None and len(req.prompt) > limit:  # at least one byte per character
+            return len(req.prompt)
+        return len(req.prompt.encode())
+    return sum(len(str(m.get("content", "")).encode()) for m in req.messages or ())

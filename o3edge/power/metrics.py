@@ -55,13 +55,14 @@ class EnergyCollector(Collector):
         split.add_metric(["active"], totals.active_joules)
         split.add_metric(["idle"], totals.idle_joules)
         yield split
+        estimate = str(self.sampler.meter.is_estimate).lower()  # an estimate is always labelled as one
         tpj = GaugeMetricFamily(f"{p}_tokens_per_joule", "Generated tokens per joule (NaN before any energy)",
-                                labels=["scope", "window"])
+                                labels=["scope", "window", "is_estimate"])
         for window_s in (None,) + self.accountant.windows_s:
             t = totals if window_s is None else self.accountant.totals(window_s)
             window = "all" if window_s is None else f"{window_s:g}s"
-            tpj.add_metric(["active", window], _or_nan(t.active_tokens_per_joule))
-            tpj.add_metric(["with_idle", window], _or_nan(t.tokens_per_joule))
+            tpj.add_metric(["active", window, estimate], _or_nan(t.active_tokens_per_joule))
+            tpj.add_metric(["with_idle", window, estimate], _or_nan(t.tokens_per_joule))
         yield tpj
 
 

@@ -205,3 +205,45 @@ def test_full_queue_displaces_the_least_important_waiting_request():
     assert [s.request_id for s in sched.waiting] == ["crit", "normal"]
     with pytest.raises(Busy, match="queue is full"):
         sched.add(seq("n2", priority=N))  # nothing less important than normal is waiting
+
+
+def test_open_breaker_cooldown_runs_from_its_opening_not_from_later_timeouts():
+    from o3edge.engine.breaker import Breaker
+    br = Breaker(threshold=1, cooldown_s=5.0)
+    br.record_timeout(0.1)  # opens
+    for t in (1.0, 3.0, 5.0):  # more timeouts while open (requests queued before it opened)
+        br.record_timeout(t)
+    assert br.current(5.0) == OPEN and br.current(5.2) == HALF_OPEN and br.times_opened == 1
+    br.record_timeout(5.3)  # a timeout while half open opens it again, from now
+    assert br.current(10.2) == OPEN and br.current(10.3) == HALF_OPEN and br.times_opened == 2
+
+
+def test_making_room_in_a_full_queue_is_all_or_nothing():
+    sched, _ = make(max_queue_requests=10, max_queue_prompt_tokens=12)
+    low, normal = seq("low", n=4, priority=L), seq("normal", n=8, priority=N)
+    sched.add(low)
+    sched.add(normal)
+    with pytest.raises(Busy, match="queue is full"):
+        sched.add(seq("normal2", n=8, priority=N))  # dropping low alone would not make room
+    assert low.finish_reason is None and sched.expired == []
+    assert [s.request_id for s in sched.waiting] == ["normal", "low"]
+    crit = seq("crit", n=12, priority=C)
+    sched.add(crit)  # both must go, and both do
+    assert {s.request_id for s in sched.expired} == {"low", "normal"}
+    assert [s.request_id for s in sched.waiting] == ["crit"]
+
+
+def test_a_waiting_critical_request_takes_the_budget_from_a_low_prefill():
+    sched, _ = make(budget=64, num_blocks=256)
+    low = seq("low", n=400, priority=L)
+    sched.add(low)
+    step(sched, sched.schedule())  # low prefills with the whole budget
+    crit = seq("crit", n=20, priority=C, first=1000)
+    sched.add(crit)
+    batch = dict(sched.schedule())
+    assert batch[crit] == 20 and batch[low] <= 64 // 8  # admitted at once; low gets a small share
+    step(sched, list(batch.items()))
+    batch = dict(sched.schedule())
+    assert batch[crit] == 1 and batch[low] <= 64 // 8  # while critical decodes, low's chunks stay small
+    sched.finish(crit, "stop")
+    assert dict(sched.schedule())[low] == 64  # alone again: the whole budget

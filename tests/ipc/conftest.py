@@ -28,20 +28,22 @@ def clean_env(**extra) -> dict:
 class DaemonProcess:
     """An o3edged subprocess with its endpoint and log file."""
 
-    def __init__(self, directory, model_dir, name="o3.sock"):
+    def __init__(self, directory, model_dir, name="o3.sock", server_extra="", engine_extra=""):
         self.socket_path = os.path.join(directory, name)
         self.endpoint = "ipc://" + self.socket_path
         self.config = os.path.join(directory, name + ".toml")
         with open(self.config, "w") as fh:
             fh.write(f'[engine]\nmodel_path = "{model_dir}"\ndevice = "cpu"\nnum_kv_blocks = {NUM_KV_BLOCKS}\n'
-                     f'[server]\nendpoint = "{self.endpoint}"\ndrain_timeout_s = 5.0\n')
+                     f'{engine_extra}\n[server]\nendpoint = "{self.endpoint}"\ndrain_timeout_s = 5.0\n{server_extra}\n')
         self.log_path = os.path.join(directory, name + ".log")
         self.proc = None
 
     def start(self) -> "DaemonProcess":
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "o3edge.daemon", "--config", self.config],
-                                     cwd=REPO, env=clean_env(), stdout=self._log, stderr=subprocess.STDOUT)
+        # XDG_STATE_HOME: a daemon started by hand writes its energy log there, not in the user's home
+        self.proc = subprocess.Popen([sys.executable, "-m", "o3edge.daemon", "--config", self.config], cwd=REPO,
+                                     env=clean_env(XDG_STATE_HOME=os.path.dirname(self.config)),
+                                     stdout=self._log, stderr=subprocess.STDOUT)
         return self
 
     def wait_ready(self, timeout=60.0) -> None:

@@ -13,6 +13,7 @@ calibrates and measures once more.
 
 import asyncio
 import contextlib
+import os
 import signal
 import statistics
 import subprocess
@@ -64,7 +65,8 @@ class Daemon(DaemonProcess):
     def start(self) -> "Daemon":
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "o3edge.daemon", "--config", self.config], cwd=REPO,
-                                     env=clean_env(OMP_NUM_THREADS="1"), stdout=self._log, stderr=subprocess.STDOUT)
+                                     env=clean_env(OMP_NUM_THREADS="1", XDG_STATE_HOME=os.path.dirname(self.config)),
+                                     stdout=self._log, stderr=subprocess.STDOUT)
         return self
 
 

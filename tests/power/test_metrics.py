@@ -23,8 +23,8 @@ def test_energy_tokens_and_tokens_per_joule_are_exported():
     assert 'o3edge_energy_joules_total{domain="gpu0",meter="scripted"} 200.0' in text
     assert 'o3edge_tokens_total{kind="generated"} 20.0' in text
     assert 'o3edge_tokens_total{kind="prompt"} 30.0' in text
-    assert 'o3edge_tokens_per_joule{scope="active",window="all"} 0.4' in text
-    assert 'o3edge_tokens_per_joule{scope="with_idle",window="all"} 0.1' in text
+    assert 'o3edge_tokens_per_joule{is_estimate="false",scope="active",window="all"} 0.4' in text
+    assert 'o3edge_tokens_per_joule{is_estimate="false",scope="with_idle",window="all"} 0.1' in text
     assert 'o3edge_energy_attributed_joules{kind="idle"} 150.0' in text
     assert 'o3edge_energy_meter_info{domains="gpu0",is_estimate="false",meter="scripted"} 1.0' in text
 

@@ -113,7 +113,7 @@ class Daemon:
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("O3EDGE_", "NOTIFY_SOCKET", "WATCHDOG_"))}
         self.env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                        OMP_NUM_THREADS="1", NOTIFY_SOCKET=self.notify.address, **env)
+                        OMP_NUM_THREADS="1", NOTIFY_SOCKET=self.notify.address, XDG_STATE_HOME=str(directory), **env)
         self.proc: subprocess.Popen | None = None
 
     def start(self, own_watchdog_pid: bool = False) -> "Daemon":
