@@ -75,22 +75,25 @@ def bench_ort(onnx_dir, threads, runs, vocab):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="smol-135m", choices=sorted(SHAPES))
+    ap.add_argument("--model", help="checkpoint to use (default: a random one of --shape)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    root = os.path.join(tempfile.gettempdir(), f"o3edge-onnx-bench-{a.shape}")
-    path = os.path.join(root, "ckpt")
+    name = os.path.basename(os.path.normpath(a.model)) if a.model else a.shape
+    root = os.path.join(tempfile.gettempdir(), f"o3edge-onnx-bench-{name}")
+    path = a.model or os.path.join(root, "ckpt")
     if not os.path.exists(os.path.join(path, "config.json")):
         from o3edge.tiny import make_checkpoint
 
         make_checkpoint(path, **SHAPES[a.shape])
-    vocab = SHAPES[a.shape].get("vocab_size", 2048)
+    with open(os.path.join(path, "config.json")) as fh:
+        vocab = json.load(fh)["vocab_size"]
     for name, group in (("fp32", 0), ("int4", 64)):
         if not os.path.exists(os.path.join(root, name, "onnx.json")):
             export_onnx(path, os.path.join(root, name), int4_group=group)
-    res = {"shape": a.shape, "threads": a.threads, "date": time.strftime("%Y-%m-%d %H:%M"),
+    res = {"shape": a.shape, "model": path, "threads": a.threads, "date": time.strftime("%Y-%m-%d %H:%M"),
            "load_avg": os.getloadavg(), "command": " ".join(sys.argv), "rows": {}}
     variants = [("torch fp32", lambda: bench_torch(path, a.threads, a.runs, vocab, False)),
                 ("onnxruntime fp32", lambda: bench_ort(os.path.join(root, "fp32"), a.threads, a.runs, vocab)),
