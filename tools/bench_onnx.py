@@ -49,14 +49,9 @@ def bench_torch(path, threads, runs, vocab, int4):
 
 
 def bench_ort(onnx_dir, threads, runs, vocab):
-    import onnxruntime as ort
-
     from o3edge.export.ort_engine import OrtDecoder
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    dec = OrtDecoder(onnx_dir, ["CPUExecutionProvider"])
-    dec.session = ort.InferenceSession(os.path.join(onnx_dir, "model.onnx"), opts, providers=["CPUExecutionProvider"])
+    dec = OrtDecoder(onnx_dir, ["CPUExecutionProvider"], threads)
     dec.greedy([prompt(0, vocab)], 4)
     rows = []
     for i in range(runs):

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from o3edge.engine.quant import swap_modules
+
 log = logging.getLogger(__name__)
 
 SCHEME = "int8-sym-per-row"
@@ -132,19 +134,14 @@ class _engine:
 
 def swap_to_int8(model: nn.Module, names: list[str], kernel: str = "auto") -> dict[str, Int8Linear]:
     """Put empty Int8Linear modules at the named places (replacing nn.Linear, or a tied LM head's None)."""
-    swapped = {}
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
+    def make(old):
         if old is None:  # tied LM head: its own quantized copy of the embedding
             n, k = model.embed.weight.shape
         else:
             n, k = old.out_features, old.in_features
-        new = Int8Linear(k, n, kernel)
-        setattr(parent, child, new)
-        swapped[name] = new
-    return swapped
+        return Int8Linear(k, n, kernel)
+
+    return swap_modules(model, names, make)
 
 
 # ---- presets -----------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from o3edge.engine.kernels import num_sms
+
 log = logging.getLogger(__name__)
 
 MAX_SPLITS = 32
@@ -27,21 +29,6 @@ def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
     """Key-axis splits for a batch bucket: about two programs per SM, one split once the batch fills it."""
     programs = batch * kv_heads
     return 1 if programs >= num_sms else min(MAX_SPLITS, -(-2 * num_sms // programs))
-
-
-def block_tables(seqs, num_rows: int, num_blocks: int) -> torch.Tensor:
-    """[num_rows, num_blocks] block ids of each sequence's first blocks (padding rows and tails: 0)."""
-    tables = torch.zeros(num_rows, num_blocks, dtype=torch.long)
-    for b, seq in enumerate(seqs):
-        row = seq.block_table[:num_blocks]
-        tables[b, :len(row)] = torch.tensor(row, dtype=torch.long)
-    return tables
-
-
-def key_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[rows, blocks] block ids -> [rows, blocks * block_size] cache slot of every key position."""
-    rows, blocks = tables.shape
-    return (tables[:, :, None] * block_size + torch.arange(block_size)).view(rows, blocks * block_size)
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -114,7 +101,7 @@ class DecodeGraphs:
         self.max_blocks = -(-runner.max_model_len // self.block_size)
         self.batch_buckets = buckets(max_batch, 1)
         B, dev = self.batch_buckets[-1], runner.device
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        sms = num_sms(str(dev))
         self.splits = {b: attention_splits(b, runner.args.num_kv_heads, sms) for b in self.batch_buckets}
         pinned = dev.type == "cuda"
         self.meta = torch.zeros(B, 3 + self.max_blocks, dtype=torch.int32, device=dev)

@@ -159,17 +159,20 @@ def quantizable(model: nn.Module, group_size: int) -> list[str]:
     return names
 
 
-def swap_to_int4(model: nn.Module, names: list[str], group_size: int) -> dict[str, Int4Linear]:
-    """Replace the named nn.Linear modules by empty Int4Linear ones (call under torch.device('meta'))."""
+def swap_modules(model: nn.Module, names: list[str], make) -> dict[str, nn.Module]:
+    """Put make(old) in place of each named submodule (old may be None, e.g. a tied LM head)."""
     swapped = {}
     for name in names:
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        old = getattr(parent, child)
-        new = Int4Linear(old.in_features, old.out_features, group_size)
-        setattr(parent, child, new)
-        swapped[name] = new
+        parent = model.get_submodule(parent_name) if parent_name else model
+        swapped[name] = make(getattr(parent, child))
+        setattr(parent, child, swapped[name])
     return swapped
+
+
+def swap_to_int4(model: nn.Module, names: list[str], group_size: int) -> dict[str, Int4Linear]:
+    """Replace the named nn.Linear modules by empty Int4Linear ones (call under torch.device('meta'))."""
+    return swap_modules(model, names, lambda old: Int4Linear(old.in_features, old.out_features, group_size))
 
 
 def int4_tag(model: nn.Module) -> str:

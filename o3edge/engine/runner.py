@@ -10,7 +10,7 @@ import torch
 from o3edge.engine.checkpoint import ModelArgs
 from o3edge.engine.cpu_decode import CpuDecode, decode_forward, lazy_zeros
 from o3edge.engine.cpu_quant import int8_tag
-from o3edge.engine.cuda_graph import DecodeGraphs, block_tables, key_slots
+from o3edge.engine.cuda_graph import DecodeGraphs
 from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.prefill_graph import PrefillGraphs
 from o3edge.engine.rope import rope_tables
@@ -82,7 +82,10 @@ class ModelRunner:
         self.last_logits = logits  # kept for tests and quality reports; no copy (None: overwritten)
         if picked is None:
             return pick_tokens(batch, logits, self._generator)
-        return [picked[i] if seq.num_computed_tokens + n == len(seq) else None for i, (seq, n) in enumerate(batch)]
+        tokens: list[int | None] = [None] * len(batch)
+        for i in done:
+            tokens[i] = picked[i]
+        return tokens
 
     @torch.inference_mode()
     def prompt_logits(self, seq: Sequence) -> torch.Tensor:
@@ -128,6 +131,21 @@ class ModelRunner:
             kv_slots=kv_slots.to(dev), attn_mask=mask[:, None].to(dev), num_seqs=B, max_q=Q,
             logits_index=last.to(dev), dense=all(n == Q for n in counts))
         return torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), step
+
+
+def block_tables(seqs, num_rows: int, num_blocks: int) -> torch.Tensor:
+    """[num_rows, num_blocks] block ids of each sequence's first blocks (padding rows and tails: 0)."""
+    tables = torch.zeros(num_rows, num_blocks, dtype=torch.long)
+    for b, seq in enumerate(seqs):
+        row = seq.block_table[:num_blocks]
+        tables[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return tables
+
+
+def key_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[rows, blocks] block ids -> [rows, blocks * block_size] cache slot of every key position."""
+    rows, blocks = tables.shape
+    return (tables[:, :, None] * block_size + torch.arange(block_size)).view(rows, blocks * block_size)
 
 
 def _row_offsets(counts: list[int], row_len: int) -> torch.Tensor:

@@ -67,12 +67,7 @@ class NBitsLinear(nn.Module):
 
 def swap_ffn_to_nbits(model: nn.Module, group_size: int) -> int:
     """Replace the FFN projections (dense nn.Linear) by NBitsLinear; returns how many were swapped."""
-    from o3edge.engine.quant import quantizable
+    from o3edge.engine.quant import quantizable, swap_modules
 
-    names = quantizable(model, group_size)
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        old = getattr(parent, child)
-        setattr(parent, child, NBitsLinear(old.weight.detach().float(), group_size, old.weight.dtype))
-    return len(names)
+    make = lambda old: NBitsLinear(old.weight.detach().float(), group_size, old.weight.dtype)  # noqa: E731
+    return len(swap_modules(model, quantizable(model, group_size), make))

@@ -19,14 +19,17 @@ PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CP
 
 
 class OrtDecoder:
-    def __init__(self, onnx_dir: str, providers: list[str] | None = None):
+    def __init__(self, onnx_dir: str, providers: list[str] | None = None, num_threads: int | None = None):
         import onnxruntime as ort
 
         with open(os.path.join(onnx_dir, MANIFEST)) as fh:
             self.manifest = json.load(fh)
         available = ort.get_available_providers()
         chosen = providers or [p for p in PREFERRED_PROVIDERS if p in available]
-        self.session = ort.InferenceSession(os.path.join(onnx_dir, "model.onnx"), providers=chosen)
+        options = ort.SessionOptions()
+        if num_threads:
+            options.intra_op_num_threads = num_threads
+        self.session = ort.InferenceSession(os.path.join(onnx_dir, "model.onnx"), options, providers=chosen)
         self.provider = self.session.get_providers()[0]
         m = self.manifest
         self.kv_dtype = np.float16 if m["dtype"] == "float16" else np.float32

@@ -52,17 +52,10 @@ class OrtRunner:
     """runner.run / release / prompt_logits over ONNX Runtime (see module docstring)."""
 
     def __init__(self, onnx_dir: str, device: torch.device, num_threads: int | None, seed: int = 0):
-        import onnxruntime as ort
-
         from o3edge.export.ort_engine import OrtDecoder
 
         providers = ["CPUExecutionProvider"] if device.type == "cpu" else None
-        self.decoder = OrtDecoder(onnx_dir, providers)
-        if num_threads:
-            opts = ort.SessionOptions()
-            opts.intra_op_num_threads = num_threads
-            self.decoder.session = ort.InferenceSession(os.path.join(onnx_dir, "model.onnx"), opts,
-                                                        providers=self.decoder.session.get_providers())
+        self.decoder = OrtDecoder(onnx_dir, providers, num_threads)
         self.kv: dict[int, list[np.ndarray]] = {}
         self.generators: dict[int, torch.Generator | None] = {}
         self._seed = seed

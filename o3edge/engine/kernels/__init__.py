@@ -4,3 +4,14 @@ Imported only on CUDA (and by the kernel tests, which run them on CPU tensors un
 `TRITON_INTERPRET=1`), so a CPU-only install never needs Triton. Each file holds one kernel family
 with a plain-torch reference beside it; the GPU tests hold the kernels to those references.
 """
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: str) -> int:
+    """Streaming multiprocessors of a CUDA device (work is split to fill them); 4 elsewhere (tests)."""
+    dev = torch.device(device)
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4

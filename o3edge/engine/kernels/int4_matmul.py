@@ -15,11 +15,11 @@ opt-in (O3EDGE_INT4_KERNEL=triton); tools/bench_int4_kernels.py compares the thr
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from o3edge.engine.kernels import num_sms
 
 
 SPLIT_TILE_N = 128  # the column tile the split-K count is planned for
@@ -70,11 +70,6 @@ def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: str) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
-
-
 def plan(M: int, N: int, Kp: int, group: int, num_sms: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_K, split_k): thin split-K row tiles at M <= 16, wider GEMM tiles above."""
     block_k = min(group, 128)  # one scale and zero per row of a tile
@@ -96,7 +91,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.
         x2 = x2.contiguous()
     M, K = x2.shape
     N, Kp = out_features, 2 * qweight.shape[1]
-    bm, bk, split = plan(M, N, Kp, group_size, _num_sms(str(x.device)))
+    bm, bk, split = plan(M, N, Kp, group_size, num_sms(str(x.device)))
     iters = -(-(Kp // bk) // split)
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     part = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
