@@ -5,10 +5,12 @@ token per sequence) runs the whole model, greedy choice included, as one capture
 buffers. The step's only input is the int32 metadata matrix of `kernels/decode_attention.py` (token,
 position, cache slot and block table per row), copied to the device in one transfer; attention reads
 the KV cache in place through the block table, so nothing in a graph depends on the context length.
-Per layer the graph runs eight kernels: residual add + RMSNorm, QKV projection, RoPE + KV write +
-attention, output projection, residual add + RMSNorm, gate/up projection, SiLU·mul, down projection.
-Attention is split along the key axis into enough programs to fill the GPU when the batch alone does
-not (the split sizes follow the context at run time, so the graph does not change). Padding rows (a batch smaller than its bucket) write into a scratch slot that no sequence owns.
+Per layer the graph runs eight kernels of its own: residual add + RMSNorm, QKV projection, RoPE + KV
+write + attention, output projection, residual add + RMSNorm, gate/up projection, SiLU·mul, down
+projection (plus the attention splits' merge and cuBLAS's split-K reduce where they apply). Attention
+is split along the key axis into enough programs to fill the GPU when the batch alone does not (the
+split sizes follow the context at run time, so the graph does not change). Padding rows (a batch
+smaller than its bucket) write into a scratch slot that no sequence owns.
 """
 
 from __future__ import annotations
