@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call: build llama.cpp (CUDA, sm_90) from ../shared/peers/gpu (prepared into .peer/
 # by its prepare.sh), then benchmark o3edge and llama.cpp on the same random TinyLlama-1.1B-shaped
-# checkpoint, and profile one llama-1b decode step. Results land in $OUT (JSON and logs); plot them with
+# checkpoint, profile one llama-1b decode step, and time the decode matmuls (tools/bench_gemv.py).
+# Results land in $OUT (JSON and logs); plot them with
 # `python tools/bench_gpu.py --reuse OUT.json --plot PNG` where matplotlib is installed.
 #   bash ../shared/peers/gpu/prepare.sh && bash ../shared/device/fetch-wheels.sh   # here, once
 #   device run (carry .peer and .whl): bash tools/bench_gpu_vs_llamacpp.sh
@@ -19,5 +20,5 @@ python3 tools/bench_gpu.py --model /tmp/lcw/ckpt --shape tinyllama-1.1b --dtype 
   --reuse "$OUT/o3edge-only.json" --llamacpp "$OUT/llamacpp-bench.log" --json "$OUT/tinyllama-fp16.json"
 echo "elapsed $(( $(date +%s) - t0 )) s"
 python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --json "$OUT/profile-llama1b-bf16.json" 2>&1 | grep -v -i warn
-python3 tools/bench_int4_kernels.py --json "$OUT/int4-kernels.json"
+python3 tools/bench_gemv.py --json "$OUT/gemv.json" 2>&1 | grep -v -i warn | grep -v "^best"
 echo "elapsed $(( $(date +%s) - t0 )) s"

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Profile one decode step on the GPU: kernels per layer, GPU time, and the graph's step time.
 
-Runs the step three ways on the same engine and context (128-token prompt plus a few decoded tokens):
+Runs the step several ways on the same engine and context (128-token prompt plus a few decoded tokens):
 the eager model (the pre-fusion path: gather + SDPA + separate norms, RoPE and activations), the fused
-decode step run eagerly (to count its kernels), and the captured graph replayed back to back (the
-step time the engine sees, without host work). Prints a table of kernel counts and the top kernels.
+decode step run eagerly (to count its kernels), the same step without the skinny matmuls (norm and
+SiLU·mul as kernels of their own, projections on cuBLAS), and the captured graphs of both replayed back
+to back (the step time the engine sees, without host work), against the floor: the bytes of the
+weights over the GPU's memory bandwidth (--bandwidth, H200: 4.8 TB/s).
 
   python tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 [--int4] [--batch 1] [--json OUT]
 """
@@ -18,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from o3edge import O3Config, O3Model  # noqa: E402
+from o3edge.engine.decode_step import decode_forward  # noqa: E402
 from o3edge.engine.sequence import SamplingParams  # noqa: E402
 from tools.make_tiny_model import SHAPES  # noqa: E402
 
@@ -48,6 +52,17 @@ def kernels(fn, reps=5):
     return len(evs) / reps, total, top
 
 
+def replay_ms(graph, reps: int = 200) -> float:
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
@@ -55,6 +70,7 @@ def main():
     ap.add_argument("--int4", action="store_true")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--model")
+    ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of the GPU's memory (H200)")
     ap.add_argument("--json")
     a = ap.parse_args()
     path = a.model or os.path.join(tempfile.gettempdir(), f"o3edge-bench-{a.shape}")
@@ -79,27 +95,32 @@ def main():
     ids, pos, step = r.prepare(batch)
     out = {"shape": a.shape, "dtype": a.dtype, "int4": a.int4, "batch": n, "layers": e.info.args.num_layers,
            "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    unfused = partial(decode_forward, r.model, graphs.meta[:B], r.cos, r.sin, r.kv_cache, graphs.block_size,
+                      graphs.splits[B], fused=False)
     with torch.inference_mode():
         for name, fn in (("eager model (pre-fusion path)", lambda: r.model(ids, pos, r.cos, r.sin, step, r.kv_cache)),
-                         ("fused decode step, uncaptured", lambda: graphs._forward(B))):
+                         ("fused decode step, uncaptured", lambda: graphs._forward(B)),
+                         ("decode step without skinny matmuls, uncaptured", unfused)):
             count, gpu_us, top = kernels(fn)
             out[name] = dict(kernels=count, kernels_per_layer=count / e.info.args.num_layers, gpu_us=gpu_us, top=top)
-        graph = graphs.graphs[B][0]
-        for _ in range(10):
-            graph.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(200):
-            graph.replay()
-        torch.cuda.synchronize()
-        out["graph_replay_ms"] = (time.perf_counter() - t0) / 200 * 1e3
+        out["graph_replay_ms"] = replay_ms(graphs.graphs[B][0])
+        plain = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(plain):
+            unfused()
+        out["graph_replay_ms_without_skinny"] = replay_ms(plain)
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*r.model.parameters(), *r.model.buffers()))
+    out["weight_bytes"] = weight_bytes
+    out["floor_ms"] = weight_bytes / a.bandwidth * 1e3
+    out["floor_fraction"] = out["floor_ms"] / out["graph_replay_ms"]
     for k, v in out.items():
         if isinstance(v, dict):
             print(f"{k}: {v['kernels']:.0f} kernels ({v['kernels_per_layer']:.1f} a layer), "
                   f"{v['gpu_us']:.0f} us of kernel time")
             for name, c, us in v["top"]:
                 print(f"    {c:6.1f} x {us:8.1f} us  {name}")
-    print(f"graph replay, back to back: {out['graph_replay_ms']:.3f} ms a step")
+    print(f"graph replay, back to back: {out['graph_replay_ms']:.3f} ms a step "
+          f"(without skinny matmuls {out['graph_replay_ms_without_skinny']:.3f}); floor {out['floor_ms']:.3f} ms "
+          f"({weight_bytes / 1e9:.2f} GB), {100 * out['floor_fraction']:.0f}% of the floor's speed")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)

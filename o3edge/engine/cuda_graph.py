@@ -5,9 +5,7 @@ token per sequence) runs the whole model, greedy choice included, as one capture
 buffers. The step's only input is the int32 metadata matrix of `kernels/decode_attention.py` (token,
 position, cache slot and block table per row), copied to the device in one transfer; attention reads
 the KV cache in place through the block table, so nothing in a graph depends on the context length.
-Per layer the graph runs eight kernels of its own: residual add + RMSNorm, QKV projection, RoPE + KV
-write + attention, output projection, residual add + RMSNorm, gate/up projection, SiLU·mul, down
-projection (plus the attention splits' merge and cuBLAS's split-K reduce where they apply). Attention
+The step itself (five kernels a layer at decode batch sizes) is decode_step.py's. Attention
 is split along the key axis into enough programs to fill the GPU when the batch alone does not (the
 split sizes follow the context at run time, so the graph does not change). Padding rows (a batch
 smaller than its bucket) write into a scratch slot that no sequence owns.
@@ -18,8 +16,8 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
+from o3edge.engine.decode_step import decode_forward
 from o3edge.engine.kernels import num_sms
 
 log = logging.getLogger(__name__)
@@ -59,31 +57,6 @@ def capture_graphs(sizes: list[int], forward, what: str) -> dict:
     return graphs
 
 
-def decode_forward(model, meta: torch.Tensor, cos, sin, kv_cache, block_size: int, num_splits: int):
-    """The whole decode step on fused kernels: meta [B, 3 + blocks] -> (logits [B, V] float32, greedy [B])."""
-    from o3edge.engine.kernels.activation import silu_mul
-    from o3edge.engine.kernels.argmax import float_logits_and_argmax
-    from o3edge.engine.kernels.decode_attention import decode_attention
-    from o3edge.engine.kernels.norm import add_rmsnorm
-
-    args = model.args
-    eps = args.rms_norm_eps
-    h = model.embed(meta[:, 0])  # [B, D]
-    residual = None
-    for i, layer in enumerate(model.layers):
-        x = add_rmsnorm(h, residual, layer.input_norm.weight, eps)
-        residual = h if residual is None else residual
-        attn = layer.attn
-        qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
-        o = decode_attention(attn.qkv(x), cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1], attn.num_heads,
-                             block_size, num_splits, qn, kn, eps)
-        x = add_rmsnorm(attn.o(o), residual, layer.post_norm.weight, eps)
-        h = layer.mlp.down(silu_mul(layer.mlp.gate_up(x)))
-    x = add_rmsnorm(h, residual, model.norm.weight, eps)
-    weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    return float_logits_and_argmax(F.linear(x, weight))
-
-
 class DecodeGraphs:
     """Decode steps on static buffers, replayed from one CUDA graph per batch bucket.
 
@@ -99,6 +72,7 @@ class DecodeGraphs:
     def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
         self.runner, self.capture = runner, capture
         self.launch_ahead = capture if launch_ahead is None else launch_ahead
+        self.fused = runner.device.type == "cuda"  # skinny matmuls at batch 1 (slow under Triton's interpreter)
         self.block_size = runner.block_size
         self.max_blocks = -(-runner.max_model_len // self.block_size)
         self.batch_buckets = buckets(max_batch, 1)
@@ -125,7 +99,8 @@ class DecodeGraphs:
 
     def _forward(self, B: int):
         r = self.runner
-        return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, self.splits[B])
+        return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, self.splits[B],
+                              self.fused)
 
     def capture_all(self) -> None:
         """Capture one graph per batch bucket."""

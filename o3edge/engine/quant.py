@@ -28,9 +28,9 @@ FFN_MODULES = ("mlp.gate_up", "mlp.down")
 INNER_K_TILES = 8  # CUDA: 8 k-tiles of 16 per 16-byte load, so K must be a multiple of 128
 _CUDA_K_MULTIPLE = INNER_K_TILES * 16
 _N_MULTIPLE = 16  # the CPU packer wants N % 16 == 0 (CUDA: % 8)
-# Opt-in, experimental: o3edge's Triton W4A16 kernel (kernels/int4_matmul.py) instead of torch's
-# tinygemm on CUDA. Correct (tests/engine/test_kernels.py) but not yet faster; see docs/benchmarks.md.
-TRITON_INT4 = os.environ.get("O3EDGE_INT4_KERNEL") == "triton"
+# On CUDA, INT4 runs o3edge's Triton kernels (kernels/int4_matmul.py) on the device-neutral form;
+# O3EDGE_INT4_KERNEL=tinygemm packs for torch's tinygemm instead (for comparison, tools/bench_gemv.py).
+TINYGEMM = os.environ.get("O3EDGE_INT4_KERNEL") == "tinygemm"
 
 
 def padded_k(in_features: int, multiple: int) -> int:
@@ -76,7 +76,7 @@ def dequantize_int4(qweight: torch.Tensor, scales_and_zeros: torch.Tensor, in_fe
 
 def _pack_for_device(qweight: torch.Tensor, sz: torch.Tensor, group_size: int):
     """Device-neutral (qweight, scales_and_zeros) -> what the device's int4 matmul reads."""
-    if qweight.device.type == "cuda" and TRITON_INT4:  # the Triton kernel reads the device-neutral form
+    if qweight.device.type == "cuda" and not TINYGEMM:  # the Triton kernels read the device-neutral form
         return qweight.contiguous(), sz.to(torch.bfloat16).contiguous(), 2 * qweight.shape[1]
     if qweight.device.type == "cuda":
         N, half = qweight.shape
@@ -107,6 +107,7 @@ class Int4Linear(nn.Module):
         self.k_padded = padded_k(in_features, group_size)  # the kernel's K, set for the device by load_quantized
         self.register_buffer("weight", torch.empty(0, dtype=torch.uint8), persistent=False)
         self.register_buffer("scales_and_zeros", torch.empty(0, dtype=torch.bfloat16), persistent=False)
+        self.neutral = False  # weight in the device-neutral form, run by o3edge's Triton kernels (CUDA)
 
     def load_quantized(self, qweight: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
         """Pack the on-disk form for the device qweight lives on (cpu or cuda)."""
@@ -119,10 +120,11 @@ class Int4Linear(nn.Module):
                              f"got {tuple(scales_and_zeros.shape)}")
         self.weight, self.scales_and_zeros, self.k_padded = _pack_for_device(
             qweight, scales_and_zeros.to(qweight.device), self.group_size)
+        self.neutral = qweight.device.type == "cuda" and not TINYGEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
-        if x.is_cuda and TRITON_INT4:
+        if self.neutral:
             from o3edge.engine.kernels.int4_matmul import int4_matmul
 
             return int4_matmul(x, self.weight, self.scales_and_zeros, self.group_size, self.out_features)

@@ -129,7 +129,9 @@ def test_decode_attention_with_qk_norm_matches_reference():
     torch.testing.assert_close(kc, kr, atol=1e-5, rtol=1e-5)
 
 
-def test_static_decode_step_gives_the_eager_engines_tokens(checkpoints):
+@pytest.mark.parametrize("prompt_texts", [["def main(argv):\n", "class Queue:\n    \"\"\"A FIFO", "x"],
+                                   ["def main(argv):\n"]])  # one row: the skinny matmuls with norm/SiLU fused in
+def test_static_decode_step_gives_the_eager_engines_tokens(checkpoints, prompt_texts):
     """The fused decode step (the graph's body, here run uncaptured) against the eager engine:
     same greedy tokens for a batch of different lengths, across block boundaries."""
     from o3edge import O3Config, O3Model
@@ -140,7 +142,8 @@ def test_static_decode_step_gives_the_eager_engines_tokens(checkpoints):
                cuda_graphs=False)
     fused, eager = O3Model.from_config(O3Config(**cfg)), O3Model.from_config(O3Config(**cfg))
     fused.engine.runner.enable_static_decode(4, capture=False)
-    prompts = [fused.engine.encode(p) for p in ["def main(argv):\n", "class Queue:\n    \"\"\"A FIFO", "x"]]
+    fused.engine.runner.graphs.fused = True  # as on CUDA
+    prompts = [fused.engine.encode(p) for p in prompt_texts]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     a = [r.token_ids for r in fused.generate_batch(prompts, params)]
     b = [r.token_ids for r in eager.generate_batch(prompts, params)]

@@ -1,0 +1,101 @@
+"""The whole CUDA decode step on fused kernels: what one decode graph (cuda_graph.py) captures.
+
+Per layer, at batch 1:
+  1. residual add + RMSNorm fused into the QKV projection (kernels/gemv.py),
+  2. RoPE + KV-cache write + paged attention (kernels/decode_attention.py; + a split merge),
+  3. the output projection,
+  4. residual add + RMSNorm fused into the gate/up projection,
+  5. SiLU·mul fused into the down projection;
+then the final norm fused into the LM head, and the float32 logits with their greedy token. Larger
+batches (or `fused=False`) run the same step with the norm and SiLU·mul as kernels of their own and
+the projections on cuBLAS (or the INT4 module's own path, kernels/int4_matmul.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from o3edge.engine.quant import Int4Linear
+
+
+def _weights(mod) -> dict:
+    """skinny_matmul's weight arguments for a projection (nn.Linear, Int4Linear, or a tied embedding)."""
+    if isinstance(mod, Int4Linear):
+        return dict(weight=mod.weight, scales_and_zeros=mod.scales_and_zeros, group_size=mod.group_size,
+                    out_features=mod.out_features)
+    return dict(weight=mod.weight, bias=getattr(mod, "bias", None))
+
+
+def _apply(mod, x):
+    return F.linear(x, mod.weight) if isinstance(mod, torch.nn.Embedding) else mod(x)
+
+
+def skinny_ok(mod, rows: int) -> bool:
+    """Whether this projection runs on the skinny kernel with the op before fused in: at one row.
+
+    Above one row, each program would re-read (and re-normalize) every activation row, which cost
+    more than the launch it saves (tools/bench_gemv.py): the op runs as its own kernel and the
+    projection on cuBLAS (dense) or on the module's own path (INT4: the skinny kernel without a
+    prologue up to gemv.MAX_ROWS rows)."""
+    if isinstance(mod, Int4Linear):
+        return mod.neutral and rows == 1
+    return isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) and rows == 1
+
+
+class Step:
+    """The projections of one decode step, each with the op before it fused in where it can be."""
+
+    def __init__(self, eps: float, rows: int, fused: bool):
+        self.eps, self.rows, self.fused = eps, rows, fused
+
+    def norm_linear(self, x, residual, norm_weight, mod):
+        """(mod(RMSNorm(x + residual) * norm_weight), the new residual stream)."""
+        if self.fused and skinny_ok(mod, self.rows):
+            from o3edge.engine.kernels.gemv import skinny_matmul
+
+            return skinny_matmul(x, norm_weight=norm_weight, residual=residual, eps=self.eps, **_weights(mod))
+        from o3edge.engine.kernels.norm import add_rmsnorm
+
+        y = add_rmsnorm(x, residual, norm_weight, self.eps)  # updates residual in place
+        return _apply(mod, y), (x if residual is None else residual)
+
+    def silu_linear(self, gate_up, mod):
+        if self.fused and skinny_ok(mod, self.rows):
+            from o3edge.engine.kernels.gemv import skinny_matmul
+
+            return skinny_matmul(gate_up, silu=True, **_weights(mod))
+        from o3edge.engine.kernels.activation import silu_mul
+
+        return mod(silu_mul(gate_up))
+
+    def linear(self, x, mod):
+        if self.fused and skinny_ok(mod, self.rows):
+            from o3edge.engine.kernels.gemv import skinny_matmul
+
+            return skinny_matmul(x, **_weights(mod))
+        return mod(x)
+
+
+def decode_forward(model, meta: torch.Tensor, cos, sin, kv_cache, block_size: int, num_splits: int,
+                   fused: bool = True):
+    """meta [B, 3 + blocks] -> (logits [B, V] float32, greedy tokens [B])."""
+    from o3edge.engine.kernels.argmax import float_logits_and_argmax
+    from o3edge.engine.kernels.decode_attention import decode_attention
+
+    eps = model.args.rms_norm_eps
+    step = Step(eps, meta.shape[0], fused)
+    h = model.embed(meta[:, 0])  # [B, D]
+    residual = None
+    for i, layer in enumerate(model.layers):
+        attn = layer.attn
+        qkv, residual = step.norm_linear(h, residual, layer.input_norm.weight, attn.qkv)
+        qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+        o = decode_attention(qkv, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1], attn.num_heads,
+                             block_size, num_splits, qn, kn, eps)
+        gate_up, residual = step.norm_linear(step.linear(o, attn.o), residual, layer.post_norm.weight,
+                                             layer.mlp.gate_up)
+        h = step.silu_linear(gate_up, layer.mlp.down)
+    head = model.embed if model.lm_head is None else model.lm_head
+    logits, _ = step.norm_linear(h, residual, model.norm.weight, head)
+    return float_logits_and_argmax(logits)

@@ -1,0 +1,231 @@
+"""Skinny matmuls for decode (a few rows of activations against a whole weight), with the op before fused in.
+
+At batch 1-64 a decode step's linear layers are bound by the bytes of their weights: the GPU's job is
+to stream every weight byte once at full bandwidth. Here each program owns a thin slice of output
+rows, loads its whole weight slice in wide tiles (many bytes in flight per SM), and multiplies it with
+the step's few activation rows: elementwise at one row, on the tensor cores (rows padded to a power of 2 >= 16) above.
+
+The op that produces the activations is done inside the same kernel, on the fly, so it costs no
+launch and no round trip through memory:
+- `NORM`: residual add + RMSNorm (each program computes the rows' statistics itself; the first
+  program also writes the updated residual stream to a new buffer);
+- `SILU`: SiLU(gate) * up over the fused gate/up projection's output (the down projection's input).
+Rounding follows the eager model: each intermediate is rounded to the model dtype where eager
+torch would round it.
+
+Weights are the model's own [N, K] dense matrix, or o3edge's device-neutral INT4 (quant.py: uint8
+[N, Kp/2], high nibble first, and bf16 scales and zeros [Kp/g, N, 2]), dequantized in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
+MAX_ROWS = 64  # the decode batches this serves; larger ones go to cuBLAS
+
+
+@triton.jit
+def _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kk, K, stride_x, rstd, PRO: tl.constexpr, dtype: tl.constexpr):
+    """Activation rows rm, columns kk, after the fused prologue, in the model dtype."""
+    mask = m_mask[:, None] & (kk < K)[None, :]
+    x = tl.load(x_ptr + rm[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
+    if PRO == 1:  # NORM: (x + residual) rounded, normalized and rounded, times the norm weight, rounded
+        if res_ptr is not None:
+            x = (x.to(tl.float32) + tl.load(res_ptr + rm[:, None] * stride_x + kk[None, :], mask=mask,
+                                            other=0.0).to(tl.float32)).to(dtype)
+        y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
+        w = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        x = (w[None, :] * y).to(dtype)
+    if PRO == 2:  # SILU: silu(gate) rounded, times up, rounded; gate is columns [0, K), up [K, 2K)
+        g = x.to(tl.float32)
+        u = tl.load(x_ptr + rm[:, None] * stride_x + K + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = ((g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u).to(dtype)
+    return x
+
+
+@triton.jit
+def _row_rstd(x_ptr, res_ptr, res_out_ptr, rm, m_mask, K, stride_x, eps, write,
+              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """1/rms of each row of (x + residual); where write, the sum is stored to res_out."""
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for i in range(tl.cdiv(K, BLOCK_K)):
+        kk = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = m_mask[:, None] & (kk < K)[None, :]
+        offs = rm[:, None] * stride_x + kk[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if res_ptr is not None:
+            x = (x.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(res_out_ptr + offs, x, mask=mask & write)
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def _centered(n):
+    """Nibbles 0..15 (any int type) -> (n - 8) as float16, by bits: 0x6400 | n is the half 1024 + n."""
+    return (n.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+
+
+@triton.jit
+def _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """INT4 rows rn, columns k0 .. k0+BLOCK_K (whole groups): the even and odd columns' (q - 8) as
+    [BLOCK_N, BLOCK_K // GROUP, GROUP // 2] float16, and each group's scale and zero [BLOCK_N, groups]."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    gi = tl.arange(0, NG)
+    j = tl.arange(0, GROUP // 2)
+    in_k = k0 + gi * GROUP < K
+    col = (k0 // 2 + gi * (GROUP // 2))[None, :, None] + j[None, None, :]
+    q = tl.load(w_ptr + rn[:, None, None] * stride_w + col, mask=n_mask[:, None, None] & in_k[None, :, None],
+                other=0x88)
+    sz = sz_ptr + ((k0 // GROUP + gi)[None, :] * N + rn[:, None]) * 2
+    sz_mask = n_mask[:, None] & in_k[None, :]
+    scale = tl.load(sz, mask=sz_mask, other=0.0).to(tl.float32)
+    zero = tl.load(sz + 1, mask=sz_mask, other=0.0).to(tl.float32)
+    return _centered(q >> 4), _centered(q & 0xF), scale, zero
+
+
+@triton.jit
+def _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row x [1, BLOCK_K] against an INT4 tile: sum_k x_k w_k = scale * sum x (q - 8)
+    + zero * sum x per group, so the inner loop is one multiply-add per weight. Returns [BLOCK_N] float32."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    hi, lo, scale, zero = _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
+    xe, xo = tl.split(tl.reshape(x.to(tl.float32), [NG, GROUP // 2, 2]))  # even and odd columns
+    part = tl.sum(hi.to(tl.float32) * xe[None, :, :] + lo.to(tl.float32) * xo[None, :, :], axis=2)  # [BN, NG]
+    xsum = tl.sum(xe + xo, axis=1)  # [NG]
+    return tl.sum(part * scale + zero * xsum[None, :], axis=1)
+
+
+@triton.jit
+def _weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """Weight rows rn, columns k0 .. k0+BLOCK_K, as [BLOCK_N, BLOCK_K] in the model dtype."""
+    if INT4:
+        hi, lo, scale, zero = _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
+        hi = hi.to(tl.float32) * scale[:, :, None] + zero[:, :, None]
+        lo = lo.to(tl.float32) * scale[:, :, None] + zero[:, :, None]
+        w = tl.reshape(tl.join(hi, lo), [hi.shape[0], BLOCK_K]).to(dtype)  # columns 2i, 2i+1 interleaved
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_w + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :],
+                    other=0.0)
+    return w
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr,
+                   M, N, K: tl.constexpr, stride_x, stride_w, stride_out, stride_split, eps, K_PER_SPLIT,
+                   PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    dtype = x_ptr.dtype.element_ty
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = rm < M, rn < N
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if PRO == 1:
+        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, rm, m_mask, K, stride_x, eps,
+                         (pid_n == 0) & (pid_k == 0), BLOCK_M, BLOCK_K, dtype)
+    if BLOCK_M == 1:
+        acc1 = tl.zeros([BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for i in range(ITERS):  # a constant: the interpreter takes no tensor as a bound
+        k0 = pid_k * K_PER_SPLIT + i * BLOCK_K
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kk, K, stride_x, rstd, PRO, dtype)
+        if BLOCK_M == 1 and INT4:
+            acc1 += _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
+        else:
+            w = _weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype)
+            if BLOCK_M == 1:
+                acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
+            elif IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+    if BLOCK_M == 1:
+        acc = acc1[None, :]
+    if bias_ptr is not None:
+        acc += tl.load(bias_ptr + rn, mask=n_mask & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
+    dst = out_ptr + pid_k * stride_split + rm[:, None] * stride_out + rn[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, splits, num_warps) for an M x K by K x N skinny matmul.
+
+    At one row: wide K tiles (1024 columns) over thin row slices, so each SM has many weight bytes in
+    flight; long rows (K >= 4096) split K in two. The best tilings of an H200 grid search
+    (tools/bench_gemv.py --grid, docs/results/gpu-2026-11-30/gemv-grid*.json), as rules by shape."""
+    if M > 1 and int4:  # the down projection (few rows of output, long rows) splits K in two
+        wide, long = N >= 8192, K >= 4096
+        if M >= 32:
+            return (64, 128, 2, 4) if wide else (16, 512, 2, 4)
+        return (32, 256, 1, 4) if wide else (32, 512 if long else 256, 2, 4)
+    block_k = min(1024 if M == 1 else 256, triton.next_power_of_2(K))
+    if M > 1:
+        return 32, block_k, 1, 4
+    if K >= 4096:
+        return (8, block_k, 2, 4) if int4 else (16, block_k, 2, 8)
+    if N >= 8192:
+        return (16, block_k, 1, 4) if int4 else (8, block_k, 1, 4)
+    return 4, block_k, 1, 8
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: torch.Tensor | None = None,
+                  group_size: int = 0, out_features: int | None = None, bias: torch.Tensor | None = None,
+                  norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
+                  silu: bool = False, config: tuple[int, int, int, int] | None = None):
+    """y = prologue(x) @ W.T (+ bias) for x [M <= MAX_ROWS, *].
+
+    - plain: x [M, K];
+    - norm_weight given: prologue = RMSNorm(x + residual) * norm_weight; returns (y, new residual) where
+      the new residual is x + residual in a fresh tensor (x itself when residual is None);
+    - silu: x [M, 2K] holds gate then up; prologue = SiLU(gate) * up.
+    weight: dense [N, K] in x's dtype, or INT4 qweight uint8 [N, Kp/2] with scales_and_zeros, group_size
+    and out_features. config overrides plan() (for the benchmark).
+    """
+    M = x.shape[0]
+    int4 = scales_and_zeros is not None
+    N = out_features if int4 else weight.shape[0]
+    K = x.shape[1] // 2 if silu else x.shape[1]
+    if M > MAX_ROWS or x.stride(-1) != 1:
+        raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} contiguous rows, got {tuple(x.shape)}")
+    from o3edge.engine.kernels import num_sms
+
+    block_n, block_k, splits, warps = config or plan(M, N, K, int4, num_sms(str(x.device)))
+    if not x.is_cuda and config is None:  # Triton's interpreter (CPU tests): fewer, wider programs run faster
+        block_n = max(block_n, min(64, triton.next_power_of_2(N)))
+    if int4:
+        block_k = max(block_k, group_size)
+    k_per_split = -(-K // (splits * block_k)) * block_k
+    iters = k_per_split // block_k
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    part = out if splits == 1 else torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
+    pro = PRO_NORM if norm_weight is not None else PRO_SILU if silu else PRO_NONE
+    res_out = torch.empty_like(x) if pro == PRO_NORM and residual is not None else None
+    _skinny_kernel[(triton.cdiv(N, block_n), splits)](
+        x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, part,
+        M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
+        PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
+        BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, num_warps=warps)
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](part, out, M * N, SPLITS=splits, BLOCK=1024, num_warps=4)
+    if pro == PRO_NORM:
+        return out, (x if residual is None else res_out)
+    return out

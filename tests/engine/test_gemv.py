@@ -1,0 +1,88 @@
+"""The decode step's skinny matmuls (kernels/gemv.py) against plain torch: prologue, then F.linear.
+
+Under TRITON_INTERPRET=1 on CPU tensors in CI, compiled on the GPU machine (`pytest -m gpu`)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from o3edge.engine.kernels.activation import silu_mul_reference  # noqa: E402
+from o3edge.engine.kernels.gemv import skinny_matmul  # noqa: E402
+from o3edge.engine.kernels.norm import add_rmsnorm_reference  # noqa: E402
+from o3edge.engine.quant import dequantize_int4, quantize_int4  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+def _data(M, N, K, dtype, seed, x_cols=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, x_cols or K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    return g, x, w
+
+
+def _close(out, ref, dtype):
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("N,K", [(40, 96), (64, 1000), (136, 2048)])
+@pytest.mark.parametrize("config", [None, (8, 64, 4, 4)])  # planned, and a forced split-K
+def test_plain_matches_linear(dtype, M, N, K, config):
+    g, x, w = _data(M, N, K, dtype, N + K)
+    bias = torch.randn(N, generator=g).to(DEV, dtype)
+    cfg = None if config is None else ((16 if M > 1 else 8),) + config[1:]
+    _close(skinny_matmul(x, w, bias=bias, config=cfg), F.linear(x.float(), w.float(), bias.float()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_prologue_matches_add_rmsnorm_then_linear(dtype, M, with_residual):
+    N, K = 72, 576
+    g, x, w = _data(M, N, K, dtype, M)
+    res = torch.randn(M, K, generator=g).to(DEV, dtype) if with_residual else None
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, dtype)
+    res_before = None if res is None else res.clone()
+    out, new_res = skinny_matmul(x, w, norm_weight=nw, residual=res, eps=1e-5, config=(16, 128, 2, 4))
+    res_ref = None if res is None else res.clone()
+    ref = F.linear(add_rmsnorm_reference(x, res_ref, nw, 1e-5).float(), w.float())
+    _close(out, ref, dtype)
+    if with_residual:  # the new residual is exactly the eager add, and the old one is left alone
+        torch.testing.assert_close(new_res, res_ref, atol=0, rtol=0)
+        torch.testing.assert_close(res, res_before, atol=0, rtol=0)
+    else:
+        assert new_res is x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 4])
+def test_silu_prologue_matches_silu_mul_then_linear(dtype, M):
+    N, K = 48, 344  # an intermediate size that is no multiple of the tile
+    g, gu, w = _data(M, N, K, dtype, K, x_cols=2 * K)
+    ref = F.linear(silu_mul_reference(gu).float(), w.float())
+    _close(skinny_matmul(gu, w, silu=True), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 8, 33])
+@pytest.mark.parametrize("K,group", [(256, 64), (320, 64), (512, 128)])
+def test_int4_weights_match_the_dequantized_linear(dtype, M, K, group):
+    N = 48
+    g, x, w = _data(M, N, K, dtype, K + group)
+    qw, sz = quantize_int4(w.float().cpu(), group)
+    ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
+    out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
+    _close(out, ref, dtype)
+
+
+def test_more_rows_than_a_decode_batch_are_refused():
+    x, w = torch.zeros(65, 8, device=DEV), torch.zeros(8, 8, device=DEV)
+    with pytest.raises(ValueError, match="at most 64"):
+        skinny_matmul(x, w)

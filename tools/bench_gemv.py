@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Decode-size matmuls on the GPU: o3edge's fused skinny kernels against cuBLAS (and tinygemm INT4).
+
+For each linear layer of a decode step (tinyllama-1.1b and llama-1b shapes) and each batch size, times
+  - unfused: the op before (add_rmsnorm / silu_mul) + cuBLAS F.linear (today's step), or INT4 tinygemm;
+  - fused:   the decode step's way: at one row kernels/gemv.py with the op fused in; above, the op and
+             the skinny kernel; INT4 above 64 rows (prefill), dequantize + cuBLAS (kernels/int4_matmul.py);
+             for its planned tiling and (--grid) a grid of alternatives;
+and reports microseconds per call and weight GB/s. Each timing replays a CUDA graph that runs the layer
+over enough distinct weight copies (>= 512 MB) that nothing is served from L2, as in a real step where
+the whole model streams by. Compiles run first in parallel processes (Triton's disk cache).
+
+  python tools/bench_gemv.py [--json OUT] [--grid] [--shapes tinyllama-1.1b,llama-1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from o3edge.engine.kernels.activation import silu_mul  # noqa: E402
+from o3edge.engine.kernels.gemv import MAX_ROWS, plan, skinny_matmul  # noqa: E402
+from o3edge.engine.kernels.int4_matmul import int4_matmul  # noqa: E402
+from o3edge.engine.kernels.norm import add_rmsnorm  # noqa: E402
+from o3edge.engine.quant import quantize_int4  # noqa: E402
+
+# name: (hidden, intermediate, qkv rows, vocab, dtype)
+MODELS = {"tinyllama-1.1b": (2048, 5632, 2560, 32000, torch.float16),
+          "llama-1b": (2048, 8192, 3072, 128256, torch.bfloat16)}
+GROUP = 128
+ROTATE_BYTES = 512 << 20
+
+
+def layers(model: str) -> list[tuple[str, int, int, str]]:
+    """(layer, N, K, prologue) of one decode step."""
+    D, I, QKV, V, _ = MODELS[model]
+    return [("qkv", QKV, D, "norm"), ("o", D, D, "none"), ("gate_up", 2 * I, D, "norm"),
+            ("down", D, I, "silu"), ("lm_head", V, D, "norm")]
+
+
+def grid(M: int, int4: bool) -> list[tuple[int, int, int, int]]:
+    if M == 1:
+        return list(itertools.product((4, 8, 16), (512, 1024), (1, 2), (4, 8))) if int4 else []
+    return list(itertools.product((16, 32, 64), (128, 256, 512), (1, 2), (4,))) if M <= MAX_ROWS else []
+
+
+class Case:
+    """One layer at one batch size: inputs and weight copies on the GPU, and its ways of running."""
+
+    def __init__(self, N, K, pro, M, dtype, int4, copies=None):
+        g = torch.Generator(device="cuda").manual_seed(N + K)
+        self.N, self.K, self.pro, self.M, self.int4 = N, K, pro, M, int4
+        self.x = torch.randn(M, 2 * K if pro == "silu" else K, device="cuda", dtype=dtype, generator=g)
+        self.res = torch.randn(M, K, device="cuda", dtype=dtype, generator=g)
+        self.nw = torch.ones(K, device="cuda", dtype=dtype)
+        w = torch.randn(N, K, device="cuda", dtype=dtype, generator=g) * K ** -0.5
+        if int4:
+            q, sz = quantize_int4(w.float(), GROUP)
+            packed = torch.ops.aten._convert_weight_to_int4pack(q, 8)
+            one = (q, sz, packed)
+            nbytes = q.numel() + sz.numel() * 2
+        else:
+            one, nbytes = (w,), w.numel() * w.element_size()
+        self.bytes = nbytes
+        n = copies or max(1, ROTATE_BYTES // nbytes)
+        self.weights = [tuple(t.clone() for t in one) for _ in range(n)]
+
+    def fused(self, config, w):
+        """The decode step's way: one row with the op fused in; more rows: the op, then the skinny kernel
+        (INT4 above MAX_ROWS: int4_matmul's dequantize + cuBLAS)."""
+        kw = dict(config=config)
+        if self.int4:
+            kw.update(scales_and_zeros=w[1], group_size=GROUP, out_features=self.N)
+        if self.M == 1:
+            if self.pro == "norm":
+                kw.update(norm_weight=self.nw, residual=self.res, eps=1e-5)
+            return skinny_matmul(self.x, w[0], silu=self.pro == "silu", **kw)
+        x = self.op(self.x)
+        if self.M > MAX_ROWS:
+            return int4_matmul(x, w[0], w[1], GROUP, self.N)
+        return skinny_matmul(x, w[0], **kw)
+
+    def op(self, x):
+        if self.pro == "norm":
+            return add_rmsnorm(x, self.res, self.nw, 1e-5)
+        return silu_mul(x) if self.pro == "silu" else x
+
+    def unfused(self, w):
+        x = self.op(self.x)
+        if self.int4:
+            return torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16), w[2], GROUP, w[1])
+        return F.linear(x, w[0])
+
+
+def time_graph(fn, weights, reps: int = 5) -> float:
+    """Microseconds per call of fn(w), replayed from a CUDA graph over every weight copy."""
+    for w in weights[:2]:
+        fn(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * len(weights))
+
+
+def jobs(models, rows, with_grid):
+    """Every (model, layer, M, int4, config) to time; config None = planned tiling."""
+    out = []
+    for model in models:
+        for (name, N, K, pro), M, int4 in itertools.product(layers(model), rows, (False, True)):
+            if (int4 and name not in ("gate_up", "down")) or (M > MAX_ROWS and not int4):
+                continue
+            configs = [None] + (grid(M, int4) if with_grid and model == models[0] else [])
+            out += [(model, name, N, K, pro, M, int4, c) for c in configs]
+    return out
+
+
+def compile_some(batch):
+    for model, name, N, K, pro, M, int4, config in batch:
+        case = Case(N, K, pro, M, MODELS[model][4], int4, copies=1)
+        try:
+            case.fused(config, case.weights[0])
+        except Exception as e:  # a tiling the compiler refuses (shared memory, registers) is skipped later
+            print(f"compile failed {name} M={M} {config}: {str(e)[:120]}", flush=True)
+    torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json")
+    ap.add_argument("--grid", action="store_true", help="also time a grid of tilings on the first model")
+    ap.add_argument("--shapes", default="tinyllama-1.1b,llama-1b")
+    ap.add_argument("--rows", default="1,4,8,16,32,128")
+    ap.add_argument("--procs", type=int, default=12)
+    a = ap.parse_args()
+    models, rows = a.shapes.split(","), [int(r) for r in a.rows.split(",")]
+    todo = jobs(models, rows, a.grid)
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(a.procs) as pool:  # compile in parallel into the disk cache
+        pool.map(compile_some, [todo[i::a.procs] for i in range(a.procs)])
+    print(f"compiled {len(todo)} variants in {time.time() - t0:.0f} s", flush=True)
+    results, cases = [], {}
+    for model, name, N, K, pro, M, int4, config in todo:
+        key = (model, name, M, int4)
+        if key not in cases:
+            cases.clear()
+            case = cases[key] = Case(N, K, pro, M, MODELS[model][4], int4)
+            base = time_graph(case.unfused, case.weights)
+            results.append(dict(model=model, layer=name, M=M, int4=int4, kernel="tinygemm" if int4 else "cuBLAS",
+                                us=base, GBps=case.bytes / base / 1e3))
+        case = cases[key]
+        try:
+            us = time_graph(lambda w: case.fused(config, w), case.weights)
+        except Exception as e:
+            print(f"skip {name} M={M} {config}: {str(e)[:100]}")
+            continue
+        cfg = config or (plan(M, N, K, int4, torch.cuda.get_device_properties(0).multi_processor_count)
+                         if M <= MAX_ROWS else "dequantize+cuBLAS")
+        results.append(dict(model=model, layer=name, M=M, int4=int4, kernel="fused", planned=config is None,
+                            config=cfg if isinstance(cfg, str) else list(cfg), us=us, GBps=case.bytes / us / 1e3))
+        if config is None:
+            print(f"{model:15s} {name:8s} M={M:2d} {'int4' if int4 else 'dense'}: {results[-2]['kernel']} "
+                  f"{base:7.1f} us  fused {us:7.1f} us ({case.bytes / us / 1e3:6.0f} GB/s) {cfg}", flush=True)
+    best = {}
+    for r in results:
+        if r["kernel"] == "fused":
+            k = (r["model"], r["layer"], r["M"], r["int4"])
+            if k not in best or r["us"] < best[k]["us"]:
+                best[k] = r
+    for r in best.values():
+        print(f"best {r['model']:15s} {r['layer']:8s} M={r['M']:2d} int4={r['int4']!s:5s} "
+              f"{r['us']:7.1f} us {r['GBps']:6.0f} GB/s {r['config']}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(0), "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
