@@ -30,6 +30,11 @@ class StepBatch:
     logits_index: torch.Tensor  # [B] flat index of each sequence's last new token
     dense: bool = False  # every sequence has exactly Q new tokens: the padded view is the flat one
     kv_spans: tuple[tuple[int, int], ...] | None = None  # CPU decode: sequence b's keys are slots [start, end)
+    # paged prefill kernel (CUDA): int32 [B, 3] (first flat row, new tokens, start position), int32 block
+    # tables [B, blocks] and the block size; kv_slots and attn_mask are then unused (None)
+    seqs: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    block_size: int = 0
 
 
 class RMSNorm(nn.Module):
@@ -79,6 +84,10 @@ def paged_attention(q, k_cache, v_cache, batch: StepBatch) -> torch.Tensor:
     """q: [T, H, hd] -> [T, H, hd], attending to each sequence's keys through its slot table."""
     if batch.kv_spans is not None:  # keys are a slice of the cache: attend over a view (cpu_decode.py)
         return span_attention(q, k_cache, v_cache, batch.kv_spans)
+    if batch.seqs is not None:  # keys read in place through the block tables (kernels/prefill_attention.py)
+        from o3edge.engine.kernels.prefill_attention import prefill_attention
+
+        return prefill_attention(q, k_cache, v_cache, batch.seqs, batch.tables, batch.max_q, batch.block_size)
     B, Q = batch.num_seqs, batch.max_q
     T, H, hd = q.shape
     padded = q if batch.dense else q.new_zeros(B * Q, H, hd).index_copy_(0, batch.q_dest, q)

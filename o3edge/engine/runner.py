@@ -36,6 +36,9 @@ class ModelRunner:
         self.scratch_slot = num_blocks * block_size
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        # steps that do not fit the graphs attend through the block tables on CUDA (a Triton kernel);
+        # the CPU keeps its gather + SDPA path, exact against transformers
+        self.paged_prefill = device.type == "cuda"
         # INT8 engines decode through cpu_decode.decode_forward; float32 keeps the model's exact forward
         self.cpu_decode = CpuDecode(block_size, fast_forward=int8_tag(model) != "") if device.type == "cpu" else None
         self.generators: dict[int, torch.Generator | None] = {}
@@ -119,13 +122,19 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long)
         flat_tables = tables.view(-1)
         slot_mapping = flat_tables[(positions // bs) + _row_offsets(counts, max_blocks)] * bs + positions % bs
+        last = torch.tensor(counts).cumsum(0) - 1
+        dev = self.device
+        if self.paged_prefill:  # attention reads the cache through the block tables: no gather, no mask
+            seqs = torch.tensor([(int(e) - n + 1, n, s) for e, n, s in zip(last, counts, starts)], dtype=torch.int32)
+            step = StepBatch(slot_mapping=slot_mapping.to(dev), q_dest=None, kv_slots=None, attn_mask=None,
+                             num_seqs=B, max_q=Q, logits_index=last.to(dev), seqs=seqs.to(dev),
+                             tables=tables.to(torch.int32).to(dev), block_size=bs)
+            return torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), step
         kv_slots = key_slots(tables, bs)
         key_pos = torch.arange(max_blocks * bs)
         q_pos = torch.tensor(starts)[:, None] + torch.arange(Q)  # [B, Q]
         ctx = torch.tensor([s + n for s, n in zip(starts, counts)])
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < ctx[:, None, None])
-        last = torch.tensor(counts).cumsum(0) - 1
-        dev = self.device
         step = StepBatch(
             slot_mapping=slot_mapping.to(dev), q_dest=torch.tensor(q_dest, dtype=torch.long).to(dev),
             kv_slots=kv_slots.to(dev), attn_mask=mask[:, None].to(dev), num_seqs=B, max_q=Q,

@@ -14,6 +14,7 @@ from o3edge.engine.sequence import SamplingParams
 
 SYSTEM = "You are a careful assistant who answers questions about the Python standard library. " * 4
 OTHER = "Weather report: rain over the hills, then sun in the afternoon and a cold night ahead. " * 4
+THIRD = "Shipping notice: the parcel left the depot this morning and arrives on Friday by noon. " * 4
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,8 +40,10 @@ def generate(model, ids):
 
 
 def evict_hot(model, expected):
-    """Run OTHER through a pool of 11 blocks (it needs all but one), so SYSTEM's 10 leave the hot tier."""
+    """Run OTHER through a pool of 11 blocks (it needs all but one), then a third prompt as long, so every
+    one of SYSTEM's 10 blocks leaves the hot tier whatever order the allocator reuses free blocks in."""
     assert generate(model, expected[0][1]).token_ids == expected[1][1]
+    generate(model, model.engine.encode(THIRD + "Why?"))
     model.engine.offloader.drain()
 
 

@@ -1,0 +1,121 @@
+"""Causal attention for prompt chunks over the paged KV cache, several sequences of any lengths at once.
+
+A step that prefills (a fresh prompt, the suffix after a prefix-cache or cold-tier hit, a chunk of a
+long prompt), possibly beside decodes, gives sequence b `q_len` new tokens at positions `start` ..
+`start + q_len - 1`; their keys and values are already in the cache. One program takes a tile of one
+sequence's queries for one head and runs an online softmax over that sequence's keys, read in place
+through its block table, up to each query's own position: no gather of the context into a padded
+copy, no [B, Q, S] mask, no work for padding. Flat queries are [T, H, hd] as the eager model packs
+them; `seqs` is int32 [B, 3] = (first flat row, q_len, start) and `tables` int32 [B, max_blocks].
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _tile(q, m, l_sum, acc, n0, q_pos, kv_end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
+          HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
+    offs = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs < kv_end
+    blk = tl.load(table + offs // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
+    src = (blk * KV_BLOCK + offs % KV_BLOCK) * stride_slot + kvh * HD
+    kv_mask = n_mask[:, None] & (d < HD)[None, :]
+    k = tl.load(k_cache_ptr + src[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + src[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    ok = n_mask[None, :] & (offs[None, :] <= q_pos[:, None])  # causal: up to the query's own position
+    s = tl.where(ok, s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
+    alpha = tl.exp(m - m_new)
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def _prefill_attention_kernel(q_ptr, stride_qt, stride_qh, seqs_ptr, tables_ptr, stride_table, k_cache_ptr,
+                              v_cache_ptr, stride_slot, out_ptr, stride_ot, stride_oh, sm_scale,
+                              G: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                              INTERPRET: tl.constexpr):
+    b, h, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    first = tl.load(seqs_ptr + b * 3)
+    q_len = tl.load(seqs_ptr + b * 3 + 1)
+    start = tl.load(seqs_ptr + b * 3 + 2)
+    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if pid_m * BLOCK_M < q_len:  # tiles past this sequence's chunk have nothing to do
+        dtype = k_cache_ptr.dtype.element_ty
+        kvh = h // G
+        d = tl.arange(0, HD_PAD)
+        row_mask = i < q_len
+        q_mask = row_mask[:, None] & (d < HD)[None, :]
+        rows = (first + i).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=q_mask, other=0.0)
+        q_pos = start + i
+        kv_end = start + tl.minimum(q_len, (pid_m + 1) * BLOCK_M)  # keys the tile's last query sees
+        table = tables_ptr + b * stride_table
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HD_PAD], tl.float32)
+        if INTERPRET:  # the interpreter cannot take a tensor as a range bound
+            n0 = kv_end * 0
+            while n0 < kv_end:
+                m, l_sum, acc = _tile(q, m, l_sum, acc, n0, q_pos, kv_end, table, k_cache_ptr, v_cache_ptr,
+                                      stride_slot, kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(0, kv_end, BLOCK_N):
+                m, l_sum, acc = _tile(q, m, l_sum, acc, n0, q_pos, kv_end, table, k_cache_ptr, v_cache_ptr,
+                                      stride_slot, kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+        o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(dtype), mask=q_mask)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: torch.Tensor,
+                      tables: torch.Tensor, max_q: int, block_size: int) -> torch.Tensor:
+    """q: [T, H, hd] (any strides with hd contiguous); caches [slots, KVH, hd] holding every new key;
+    seqs int32 [B, 3] (first row, q_len, start); tables int32 [B, blocks]. Returns [T, H, hd]."""
+    T, H, HD = q.shape
+    KVH = k_cache.shape[1]
+    out = torch.empty(T, H, HD, device=q.device, dtype=q.dtype)
+    block_m = 16 if max_q <= 16 else 64
+    hd_pad = max(16, triton.next_power_of_2(HD))
+    _prefill_attention_kernel[(seqs.shape[0], H, triton.cdiv(max_q, block_m))](
+        q, q.stride(0), q.stride(1), seqs, tables, tables.stride(0), k_cache, v_cache, k_cache.stride(0),
+        out, out.stride(0), out.stride(1), HD ** -0.5, G=H // KVH, HD=HD, HD_PAD=hd_pad, KV_BLOCK=block_size,
+        BLOCK_M=block_m, BLOCK_N=64 if HD <= 64 else 32, IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET,
+        num_warps=4, num_stages=2)
+    return out
+
+
+def prefill_attention_reference(q, k_cache, v_cache, seqs, tables, block_size):
+    """Plain torch, one sequence at a time: causal attention of each chunk over its cached prefix + itself."""
+    T, H, HD = q.shape
+    G = H // k_cache.shape[1]
+    out = torch.zeros_like(q)
+    for b, (first, n, start) in enumerate(seqs.tolist()):
+        keys = torch.arange(start + n, device=q.device)
+        slots = tables[b, keys // block_size].long() * block_size + keys % block_size
+        kk = k_cache[slots].float().repeat_interleave(G, dim=1)  # [S, H, hd]
+        vv = v_cache[slots].float().repeat_interleave(G, dim=1)
+        qq = q[first:first + n].float()  # [n, H, hd]
+        s = torch.einsum("nhd,shd->hns", qq, kk) * HD ** -0.5
+        causal = keys[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+        att = torch.softmax(s.masked_fill(~causal[None], float("-inf")), dim=-1)
+        out[first:first + n] = torch.einsum("hns,shd->nhd", att, vv).to(q.dtype)
+    return out
