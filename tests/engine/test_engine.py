@@ -5,6 +5,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from o3edge import O3Config, O3Model
 from o3edge.engine.sequence import SamplingParams
@@ -17,6 +18,17 @@ GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 def load(path, **kw):
     return O3Model.from_config(O3Config(model_path=path, device="cpu", **kw))
+
+
+KERNEL_DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (tests/conftest.py)
+
+
+def load_for_kernels(path, **kw):
+    """An engine on the device the Triton kernels run on, in float32, taking the gather + SDPA path for
+    every step (the reference); tests switch its kernel paths on one by one."""
+    m = O3Model.from_config(O3Config(model_path=path, device=KERNEL_DEV, dtype="float32", cuda_graphs=False, **kw))
+    m.engine.runner.paged_prefill = False
+    return m
 
 
 def run_all(engine):
@@ -208,8 +220,8 @@ def test_broken_checkpoints_name_the_problem(tmp_path, tiny_dir):
 def test_static_shape_decode_path_matches_eager(tiny_dir):
     """The padded, bucketed fused decode step (what CUDA graphs replay; on CPU its Triton kernels run
     under the interpreter) gives the eager path's tokens."""
-    eager = load(tiny_dir, kv_block_size=8)
-    static = load(tiny_dir, kv_block_size=8, max_model_len=300)
+    eager = load_for_kernels(tiny_dir, kv_block_size=8)
+    static = load_for_kernels(tiny_dir, kv_block_size=8, max_model_len=300)
     static.engine.runner.enable_static_decode(max_batch=8, capture=False)
     prompts = [eager.engine.encode(p) for p in ("a = 1", "import json\n" * 30, "def f(x):", "#!", "b")]
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
@@ -224,8 +236,8 @@ def test_prefill_graph_path_matches_eager(tiny_dir):
     """A fresh prompt prefilled on the padded token-bucket path (what CUDA graphs replay) gives the
     eager path's logits and tokens; a prompt longer than the largest bucket and a cached prefix
     take the eager path."""
-    eager = load(tiny_dir, kv_block_size=8)
-    static = load(tiny_dir, kv_block_size=8, max_model_len=300)
+    eager = load_for_kernels(tiny_dir, kv_block_size=8)
+    static = load_for_kernels(tiny_dir, kv_block_size=8, max_model_len=300)
     static.engine.runner.enable_static_decode(max_batch=2, capture=False, max_prefill_tokens=64)
     graphs = static.engine.runner.prefill_graphs
     assert graphs.token_buckets == [16, 32, 64]
@@ -244,8 +256,8 @@ def test_paged_prefill_kernel_path_matches_eager(tiny_dir):
     """Prefill through the block tables (the CUDA path, here under Triton's interpreter) gives the gather
     path's tokens: fresh prompts of different lengths batched together, chunked prefill, the suffix
     after a prefix-cache hit, and decodes mixed into the same steps."""
-    eager = load(tiny_dir, kv_block_size=8, max_num_batched_tokens=48)
-    paged = load(tiny_dir, kv_block_size=8, max_num_batched_tokens=48)
+    eager = load_for_kernels(tiny_dir, kv_block_size=8, max_num_batched_tokens=48)
+    paged = load_for_kernels(tiny_dir, kv_block_size=8, max_num_batched_tokens=48)
     paged.engine.runner.paged_prefill = True
     prompts = [eager.engine.encode(p) for p in ("import json\n" * 12, "a = 1", "def f(x):\n    return x")]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -262,8 +274,8 @@ def test_launch_ahead_decode_matches_eager(tiny_dir):
     get the eager path's tokens, and most steps are taken from the queue."""
     from o3edge.engine.cuda_graph import DecodeGraphs
 
-    eager = load(tiny_dir, kv_block_size=8)
-    ahead = load(tiny_dir, kv_block_size=8, max_model_len=300)
+    eager = load_for_kernels(tiny_dir, kv_block_size=8)
+    ahead = load_for_kernels(tiny_dir, kv_block_size=8, max_model_len=300)
     runner = ahead.engine.runner
     runner.graphs = DecodeGraphs(runner, 4, capture=False, launch_ahead=True)
     prompts = [eager.engine.encode(p) for p in ("a = 1", "def f(x):\n    return", "import os")]
