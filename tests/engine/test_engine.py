@@ -232,12 +232,15 @@ def test_static_shape_decode_path_matches_eager(tiny_dir):
     assert graphs.num_steps == 29  # every decode step of the 5-sequence batch (padded to 8) took it
 
 
-def test_prefill_graph_path_matches_eager(tiny_dir):
+@pytest.mark.parametrize("paged", [False, True])
+def test_prefill_graph_path_matches_eager(tiny_dir, paged):
     """A fresh prompt prefilled on the padded token-bucket path (what CUDA graphs replay) gives the
-    eager path's logits and tokens; a prompt longer than the largest bucket and a cached prefix
-    take the eager path."""
+    eager path's logits and tokens; a prompt longer than the largest bucket takes the eager path.
+    With the paged prefill kernel (CUDA's path) the graphs also take the chunk after
+    a cached prefix."""
     eager = load_for_kernels(tiny_dir, kv_block_size=8)
     static = load_for_kernels(tiny_dir, kv_block_size=8, max_model_len=300)
+    static.engine.runner.paged_prefill = paged
     static.engine.runner.enable_static_decode(max_batch=2, capture=False, max_prefill_tokens=64)
     graphs = static.engine.runner.prefill_graphs
     assert graphs.token_buckets == [16, 32, 64]
@@ -247,9 +250,12 @@ def test_prefill_graph_path_matches_eager(tiny_dir):
         want = eager.generate_batch([ids], params)[0].token_ids
         assert static.generate_batch([ids], params)[0].token_ids == want
     assert graphs.num_steps == 2
-    long = eager.engine.encode("import json\n" * 30)  # > 64 tokens: chunked by the eager path
+    hit = eager.engine.encode("import json\n" * 9 + "print(json.dumps({}))")  # a cached prefix, then 9 tokens
+    got = static.generate_batch([hit], params)[0]
+    assert got.token_ids == eager.generate_batch([hit], params)[0].token_ids and got.cached_tokens > 0
+    assert graphs.num_steps == (3 if paged else 2)
+    long = eager.engine.encode("import json\n" * 30)  # > 64 tokens
     assert static.generate_batch([long], params)[0].token_ids == eager.generate_batch([long], params)[0].token_ids
-    assert graphs.num_steps == 2
 
 
 def test_paged_prefill_kernel_path_matches_eager(tiny_dir):

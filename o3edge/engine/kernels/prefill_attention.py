@@ -92,7 +92,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     seqs int32 [B, 3] (first row, q_len, start); tables int32 [B, blocks]. Returns [T, H, hd]."""
     T, H, HD = q.shape
     KVH = k_cache.shape[1]
-    out = torch.empty(T, H, HD, device=q.device, dtype=q.dtype)
+    out = torch.zeros(T, H, HD, device=q.device, dtype=q.dtype)  # rows past a chunk (graph padding) stay 0
     block_m = 16 if max_q <= 16 else 64
     hd_pad = max(16, triton.next_power_of_2(HD))
     _prefill_attention_kernel[(seqs.shape[0], H, triton.cdiv(max_q, block_m))](
