@@ -25,7 +25,7 @@ class Doors:
     """The HTTP endpoint and the upstream overflow of one IPC server (each only when configured)."""
 
     def __init__(self, http: HttpSettings, upstream: UpstreamSettings, server: "IPCServer",
-                 registry: "CollectorRegistry", requests: "RequestCounter"):
+                 registry: "CollectorRegistry | None", requests: "RequestCounter | None"):
         self.aio = self.http = self.overflow = None
         if not (http.enabled or upstream.enabled):
             return
@@ -45,7 +45,8 @@ class Doors:
 
             from prometheus_client import generate_latest
 
-            self.http = HttpServer(http, server, self.aio, lambda: generate_latest(registry))
+            metrics = (lambda: generate_latest(registry)) if registry is not None else None
+            self.http = HttpServer(http, server, self.aio, metrics)
 
     def start(self) -> None:
         """Start the loop thread and bind the HTTP port; raises O3Error endpoint_unavailable."""

@@ -94,14 +94,20 @@ class Routes:
                       with_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
-        await self._send(response, _event(shaper.chunk(role=True)) if shaper.kind == S.CHAT else b"")
-        while True:
-            await self._send(response, b"".join(_events(batch, shaper, with_usage)))
-            if stream.finished:
-                break
-            batch = await stream.next_batch()
-        await response.write_eof()
-        return response
+        try:
+            await self._send(response, _event(shaper.chunk(role=True)) if shaper.kind == S.CHAT else b"")
+            while True:
+                await self._send(response, b"".join(_events(batch, shaper, with_usage)))
+                if stream.finished:
+                    break
+                batch = await stream.next_batch()
+        except ConnectionResetError:  # gone: leaving open() unfinished cancels the request
+            log.debug("HTTP client went away mid-stream")
+        except asyncio.TimeoutError:
+            log.info("HTTP client read nothing for %g s: request cancelled", self.settings.send_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+        return response  # aiohttp ends it (write_eof), quietly when the client has already left
 
     async def _send(self, response: web.StreamResponse, data: bytes) -> None:
         if data:  # a client that stops reading blocks the write: give up after send_timeout_s
