@@ -129,3 +129,15 @@ def _answer(d, request: bytes) -> bytes:
             return s.recv(4096)
         except ConnectionResetError:
             return b""
+
+
+def test_port_taken_exits_73(small, tmp_path, tiny_dir):
+    """A second daemon on a taken HTTP port says so and exits with the endpoint status (73)."""
+    from tests.http.conftest import HttpDaemon
+
+    d = HttpDaemon(str(tmp_path), tiny_dir, port=small.port).start()
+    try:
+        assert d.proc.wait(60) == 73
+        assert "cannot listen for HTTP" in d.log()
+    finally:
+        d.stop()
