@@ -171,7 +171,7 @@ def bench_null_stream(endpoint: str, pid: int, tokens: int) -> dict:
 
 
 def sse_texts(port: int, body: dict):
-    """POST a streamed /v1/completions to the HTTP door; yields (arrival time, text) per SSE chunk."""
+    """POST a streamed /v1/completions to the HTTP door; yields (arrival, monotonic ns; text) per SSE chunk."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
                  {"Content-Type": "application/json"})
@@ -181,7 +181,7 @@ def sse_texts(port: int, body: dict):
             if line.startswith(b"data: {"):
                 choice = json.loads(line[6:])["choices"]
                 if choice and choice[0]["text"]:
-                    yield time.perf_counter(), choice[0]["text"]
+                    yield time.monotonic_ns(), choice[0]["text"]
     finally:
         conn.close()
 
@@ -194,14 +194,14 @@ def bench_null_http(port: int, pid: int, tokens: int) -> dict:
     body = {"prompt": PROMPT, "temperature": 0}
     list(sse_texts(port, {**body, "max_tokens": 200}))  # warm up
     cpu_d0, cpu_c0 = sum(daemon.cpu_times()[:2]), time.process_time()
-    latency_us = [(time.monotonic_ns() - int(text)) / 1e3 for _, text in sse_texts(port, {**body, "max_tokens": tokens})]
+    latency_us = [(arrived - int(text)) / 1e3 for arrived, text in sse_texts(port, {**body, "max_tokens": tokens})]
     cpu_d, cpu_c = sum(daemon.cpu_times()[:2]) - cpu_d0, time.process_time() - cpu_c0
     return {"latency": latency_us, "daemon_cpu_us": cpu_d / tokens * 1e6, "client_cpu_us": cpu_c / tokens * 1e6,
             "num_chunks": len(latency_us)}
 
 
 def http_decode(port: int, tokens: int) -> float:
-    times = [t for t, _ in sse_texts(port, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
+    times = [t / 1e9 for t, _ in sse_texts(port, {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
                                             "ignore_eos": True})]
     return per_token_s(times)
 

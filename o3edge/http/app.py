@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from o3edge.ipc.server import IPCServer
 
 log = logging.getLogger(__name__)
-_FULL_BODY = b'{"error":{"message":"too many open connections","type":"server_error","param":null,"code":"unavailable"}}'
+_FULL_BODY = (b'{"error":{"message":"too many open connections","type":"server_error","param":null,'
+              b'"code":"unavailable"}}')
 FULL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(_FULL_BODY), _FULL_BODY))
 BACKLOG = 128

@@ -148,7 +148,8 @@ class Overflow:
 
 def _usage(upstream: dict) -> dict:
     details = upstream.get("prompt_tokens_details") or {}
-    return {"prompt_tokens": upstream.get("prompt_tokens", 0), "completion_tokens": upstream.get("completion_tokens", 0),
+    return {"prompt_tokens": upstream.get("prompt_tokens", 0),
+            "completion_tokens": upstream.get("completion_tokens", 0),
             "cached_tokens": details.get("cached_tokens") or 0, "cold_tokens": 0}
 
 

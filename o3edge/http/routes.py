@@ -57,7 +57,8 @@ class Routes:
         if name is None:
             raise S.HttpError(503, P.UNAVAILABLE, f"the engine is {self.server.state}; no model is served yet")
         return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "o3edge", "max_model_len": self.server.loop.engine.info.max_model_len}]})
+            {"id": name, "object": "model", "created": self.created, "owned_by": "o3edge",
+             "max_model_len": self.server.loop.engine.info.max_model_len}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = self.metrics_text() if self.metrics_text else b""
