@@ -8,8 +8,9 @@ Limits: request bodies past max_body_bytes get 413 before they are read; a heade
 max_header_bytes, or more than max_headers headers, gets 400/431 from aiohttp's parser; a
 connection that has not sent a whole request within header_timeout_s is closed (aiohttp's
 keep-alive timer also runs from the moment a connection opens); a body must arrive within
-body_timeout_s; a reply nobody reads for send_timeout_s cancels its request; past max_connections
-open connections, a new one gets one 503 and is closed.
+body_timeout_s; a reply write blocked for send_timeout_s (the client stopped reading and the socket
+buffers are full) cancels its request; past max_connections open connections, a new one gets one
+503 and is closed.
 """
 
 from __future__ import annotations

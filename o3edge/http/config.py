@@ -26,7 +26,7 @@ class HttpSettings:
     max_connections: int = 256  # open connections; one more is answered 503 and closed
     header_timeout_s: float = 15.0  # a connection that has not sent a whole request by then is closed
     body_timeout_s: float = 30.0  # reading one request body
-    send_timeout_s: float = 30.0  # a client that reads no reply for this long is dropped (its request cancelled)
+    send_timeout_s: float = 30.0  # a write blocked this long (client not reading, buffers full): request cancelled
 
     def __post_init__(self):
         split_listen(self.listen)

@@ -3,8 +3,9 @@
 Each generate request waits for its first reply before answering, so a refusal (`busy`, a prompt
 too long, the daemon draining) gets its own status code even when the client asked for a stream;
 after that, tokens go out as server-sent events as the engine produces them (the replies of one
-engine step in one write). A client that disconnects, or reads nothing for send_timeout_s, has its
-request cancelled: aiohttp cancels the handler, and leaving LocalDoor.open() aborts the request.
+engine step in one write). A client that disconnects, or whose reply write blocks for
+send_timeout_s, has its request cancelled: aiohttp cancels the handler, and leaving
+LocalDoor.open() aborts the request.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class Routes:
         except ConnectionResetError:  # gone: leaving open() unfinished cancels the request
             log.debug("HTTP client went away mid-stream")
         except asyncio.TimeoutError:
-            log.info("HTTP client read nothing for %g s: request cancelled", self.settings.send_timeout_s)
+            log.info("HTTP client read nothing while a write waited %g s: request cancelled",
+                     self.settings.send_timeout_s)
             if request.transport is not None:
                 request.transport.abort()
         return response  # aiohttp ends it (write_eof), quietly when the client has already left

@@ -141,3 +141,4 @@ def test_port_taken_exits_73(small, tmp_path, tiny_dir):
         assert "cannot listen for HTTP" in d.log()
     finally:
         d.stop()
+
