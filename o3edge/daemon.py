@@ -46,6 +46,7 @@ from o3edge.energy_service import EnergyService, state_directory
 from o3edge.engine.scheduler import ClassPolicy
 from o3edge.engine.sequence import Priority
 from o3edge.errors import CheckpointError, ConfigError, O3Error
+from o3edge.http.doors import Doors
 from o3edge.ipc.endpoint import EndpointInUse
 from o3edge.ipc.engine_loop import Hooks
 from o3edge.ipc.server import IPCServer
@@ -88,6 +89,7 @@ class Daemon:
         self.server = IPCServer(settings.server, self._load_engine, hooks, idle_wake_s)
         self.energy.attach(self.server)
         self.server.about["energy_log"] = str(self.energy.log_path) if self.energy.log_path else None
+        self.doors = Doors(settings.http, settings.upstream, self.server, self.energy.registry, self.energy.requests)
 
     def _on_phase(self, phase: str) -> None:
         """Engine thread: before loading and warming up, each phase gets its own start-up budget."""
@@ -129,12 +131,21 @@ class Daemon:
             log.error("%s", exc)
             self.energy.close()
             return EXIT_ENDPOINT
+        try:
+            self.doors.start()  # the HTTP port, when [http] is on
+        except O3Error as exc:
+            log.error("%s", exc)
+            self.server.close()
+            self.doors.close()
+            self.energy.close()
+            return EXIT_ENDPOINT
         self.energy.start()
         status = self._serve()
         drain_s = self.settings.server.drain_timeout_s
         self.server.drain()  # refuse new work before STOPPING=1 says so
         self.notifier.stopping(f"draining: {len(self.server.routes)} in flight, up to {drain_s:g} s")
         self.server.shutdown(drain_s)
+        self.doors.close()
         self.energy.close()
         return status
 
@@ -301,8 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log.level)
     if args.drop_cold_tier:
         drop_cold_tier(settings.kv.cold_tier_dir)
+    try:
+        daemon = Daemon(settings, reread=lambda: load_settings(args.config, None, overrides))
+    except ConfigError as exc:  # an unreadable upstream.api_key_file
+        log.error("%s", exc)
+        return EXIT_CONFIG
     pidfile = PidFile(args.pidfile)
-    daemon = Daemon(settings, reread=lambda: load_settings(args.config, None, overrides))
     daemon.install_signal_handlers()
     try:
         return daemon.run()

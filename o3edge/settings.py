@@ -2,8 +2,8 @@
 
 `load_settings` builds it once and checks it; anything unknown is rejected by name with a
 ConfigError. Sections: [engine] (o3edge.config.O3Config), [kv] (the KV cache's cold tier, passed
-to the engine config), [server], [power], [metrics], [log] and [scheduler] (one table per priority
-class). The example /etc/o3edge/o3edge.toml lists every key.
+to the engine config), [server], [power], [metrics], [log], [scheduler] (one table per priority
+class), [http] and [upstream] (o3edge.http.config). The example /etc/o3edge/o3edge.toml lists every key.
 
 Environment: O3EDGE_<SECTION>_<KEY>, e.g. O3EDGE_ENGINE_DEVICE=cpu,
 O3EDGE_SCHEDULER_NORMAL_MAX_WAIT_MS=500. A variable naming a known section must name a known key;
@@ -33,6 +33,7 @@ except ModuleNotFoundError:  # Python 3.10 (Jetson's Ubuntu 22.04): the same par
 
 from o3edge.config import O3Config
 from o3edge.errors import ConfigError
+from o3edge.http.config import HttpSettings, UpstreamPolicy, UpstreamSettings
 
 DEFAULT_CONFIG_PATH = "/etc/o3edge/o3edge.toml"
 ENV_PREFIX = "O3EDGE_"
@@ -192,6 +193,8 @@ class Settings:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     log: LogSettings = field(default_factory=LogSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
+    upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
 
     def as_dict(self) -> dict:
         """Nested plain dict, one table per section ([kv] values appear there only, not under engine)."""
@@ -363,7 +366,14 @@ def _build(merged: dict) -> Settings:
         metrics=MetricsSettings(**merged.get("metrics", {})),
         log=LogSettings(**merged.get("log", {})),
         scheduler=SchedulerSettings.from_dict(merged.get("scheduler", {})),
+        http=HttpSettings(**merged.get("http", {})),
+        upstream=_upstream(merged.get("upstream", {})),
     )
+
+
+def _upstream(table: dict) -> UpstreamSettings:
+    policy = UpstreamPolicy(**table.get("policy", {}))
+    return UpstreamSettings(**{**table, "policy": policy})
 
 
 def _check_loopback(endpoint: str) -> None:

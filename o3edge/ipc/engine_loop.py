@@ -93,6 +93,7 @@ class EngineLoop:
         self._rate: deque[tuple[float, int]] = deque()  # (step end, tokens) over the last RATE_WINDOW_S
         self._rate_sum = 0
         self.outbox: deque[tuple[bytes, bytes, str, bytes]] = deque()  # (kind, identity, rid, reply)
+        self.divert: Callable[[Job], bool] | None = None  # takes a job refused as busy elsewhere (upstream)
         self._failures = 0
 
     # ---- called from other threads ---------------------------------------------------------
@@ -273,7 +274,7 @@ class EngineLoop:
             energy = self._hook("on_finish", job.rid, out.finish_reason)
             extra = {} if r.stream else {"text": "".join(job.text), "token_ids": job.token_ids}
             self._send(END, job, P.done(r.id, out.finish_reason, _usage(out), _timings(job, out, now),
-                                        energy, **extra))
+                                        energy, served_by="local", **extra))
 
     def _expired(self, job: Job, out: "RequestOutput") -> None:
         del self._jobs[job.rid]
@@ -284,7 +285,11 @@ class EngineLoop:
         self._end(job, P.error(job.request.id, P.DEADLINE_EXCEEDED, message), P.DEADLINE_EXCEEDED)
 
     def _end(self, job: Job, message: dict, code: str) -> None:
-        """Send a job's error reply (its last) and tell the hooks it ended."""
+        """Send a job's error reply (its last) and tell the hooks it ended; a `busy` job that never
+        sent a token may be served elsewhere instead (divert)."""
+        if code == P.BUSY and job.index == 0 and self.divert is not None and self.divert(job):
+            self._hook("on_finish", job.rid, "forwarded")
+            return
         self.counts["failed"] += 1
         self._hook("on_finish", job.rid, code)
         self._send(END, job, message)

@@ -154,7 +154,11 @@ def decode(frame: bytes, max_bytes: int) -> object:
 
 def parse(frame: bytes, max_bytes: int) -> Request | CancelRequest | GenerateRequest:
     """Decode and validate one request frame into a typed request, or raise ProtocolError."""
-    msg = decode(frame, max_bytes)
+    return validate(decode(frame, max_bytes))
+
+
+def validate(msg: object) -> Request | CancelRequest | GenerateRequest:
+    """Validate one decoded request map (from a frame, or built by the HTTP door) into a typed request."""
     if not isinstance(msg, dict):
         raise ProtocolError(BAD_MESSAGE, f"a request must be a msgpack map, got {_kind(msg)}")
     rid = msg.get("id")

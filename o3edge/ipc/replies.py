@@ -37,6 +37,8 @@ def stats(server: "IPCServer", request_id: str) -> dict:
             extra = server.hooks.stats() or {}
         except Exception:
             log.exception("stats hook failed")
+    if server.overflow is not None:
+        extra = {**extra, "upstream": server.overflow.stats()}
     return P.reply("stats", request_id, state=server.state, uptime_s=_uptime(server),
                    queue_depth=snap.pop("waiting", 0), running=snap.pop("running", 0),
                    requests_in_flight=len(server.routes), clients=server.routes.num_clients,

@@ -62,6 +62,9 @@ BATCH = 64  # messages read per turn of the I/O thread
 OWED_TTL_S = 600.0  # how long final replies to a client that stopped reading are kept for it
 OWED_MAX_PEERS = 1024
 SHORT_PROMPT_BYTES = 4096  # prompts up to this size take the short lane: never behind a long encode
+# Routing ids of requests from in-process doors (the HTTP door): no ZeroMQ peer can have one (a
+# peer-chosen id never starts with a zero byte; a generated one is 5 bytes long).
+LOCAL_PREFIX = b"\x00local:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,9 @@ class IPCServer:
         self._stop_io = False
         self._closed = False
         self._stop_reason = "the daemon stopped before this request finished"  # for jobs cut at close
+        self.local_sink: Callable[[bytes, bytes], None] | None = None  # replies to LOCAL_PREFIX ids
+        self.overflow = None  # o3edge.http.overflow.Overflow when [upstream] is set
+        self._remote: dict[str, Callable[[], None]] = {}  # rid -> cancel, for requests served upstream
         self._io_thread = threading.Thread(target=self._io_run, name="o3edge-io", daemon=True)
         self._engine_thread = threading.Thread(target=self.loop.run, name="o3edge-engine", daemon=True)
 
@@ -314,14 +320,82 @@ class IPCServer:
                                 "text for this model")
         with self.lock:
             problem = self._admission_problem(identity, req)
-            if problem:
+            route = self._route(req, problem)
+            if problem and (route is None or problem[0] != P.BUSY):
                 return self._reject(identity, req.id, *problem)
             rid = f"r{next(self._ids)}"
             self.routes.add(rid, identity, req.id)
+            if route is not None and self.overflow.forward(rid, req, now, route):
+                return
+            if problem:  # the upstream cannot take it either
+                self.routes.remove(rid)
+                return self._reject(identity, req.id, *problem)
             self._tokenizing.add(rid)
         self.counts["requests_total"] += 1
         lane = self._lanes[0 if size <= SHORT_PROMPT_BYTES else 1]
         lane.put(identity, req.priority, Pending(rid, identity, req, now))
+
+    def _route(self, req: P.GenerateRequest, problem: tuple[str, str] | None) -> str | None:
+        """Why this request goes upstream ("prefer", "busy", "breaker"), or None to serve it here."""
+        if self.overflow is None or (problem and problem[0] != P.BUSY):
+            return None
+        return self.overflow.choose(req, busy=problem is not None, classes=self.loop.snapshot.get("classes"))
+
+    # ---- the door for requests served elsewhere (in-process HTTP, upstream) ------------------
+    def attach_overflow(self, overflow) -> None:
+        """Send requests upstream as `overflow` decides, here and when the engine refuses one as busy."""
+        self.overflow = overflow
+        self.loop.divert = self._divert_job
+
+    def _divert_job(self, job: Job) -> bool:
+        """Engine thread: the scheduler refused `job` as busy; True when the upstream takes it instead."""
+        if job.request.priority not in self.overflow.overflow_classes:
+            return False
+        with self.lock:
+            return job.rid in self.routes.flights and self.overflow.forward(job.rid, job.request, job.received,
+                                                                           "busy")
+
+    def submit(self, identity: bytes, req: P.GenerateRequest) -> None:
+        """Serve a request from an in-process door: replies go to local_sink(identity, payload)."""
+        self._generate(identity, req, time.monotonic())
+
+    def disconnect(self, identity: bytes) -> None:
+        """An in-process door's client went away: abort its requests (freeing their KV blocks)."""
+        with self.lock:
+            self._drop_peer(identity, "disconnected")
+
+    def emit(self, rid: str, message: dict, last: bool) -> bool:
+        """Send a reply for a request served elsewhere; False when its client is gone."""
+        payload = P.pack(message)
+        with self.lock:
+            flight = self.routes.flights.get(rid)
+            if flight is None or self._router is None or self._router.closed:
+                return False
+            if last:
+                self.routes.remove(rid)
+                self._remote.pop(rid, None)
+            self._send(flight.identity, payload)
+            if self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._wake_io()
+        return True
+
+    def track_remote(self, rid: str, cancel: Callable[[], None]) -> None:
+        """Note a request now served upstream (lock held): cancel() stops it when its client goes."""
+        self._remote[rid] = cancel
+
+    def fall_back(self, rid: str, req: P.GenerateRequest, received: float, busy: bool) -> None:
+        """The upstream failed before a token: answer `busy` (it was refused here) or queue it here."""
+        with self.lock:
+            flight = self.routes.flights.get(rid)
+            self._remote.pop(rid, None)
+            if flight is None:
+                return
+            if busy:
+                self.routes.remove(rid)
+                return self._reject(flight.identity, req.id, P.BUSY, "the queue is full and the upstream "
+                                    "engine failed; retry later")
+            self._tokenizing.add(rid)
+        self._lanes[1].put(flight.identity, req.priority, Pending(rid, flight.identity, req, received))
 
     @property
     def max_prompt_bytes(self) -> int | None:
@@ -367,19 +441,25 @@ class IPCServer:
         # also bounds what is on its way there, with room for a full running batch.
         limit = self.settings.queue_max_requests + getattr(getattr(self.loop.engine, "config", None),
                                                            "max_num_seqs", 0)
-        if len(self.routes) >= limit:
+        if len(self.routes) - len(self._remote) >= limit:
             return P.BUSY, f"too many requests in flight ({limit}); retry later"
         return None
 
     def _cancel(self, identity: bytes, req: P.CancelRequest) -> None:
         with self.lock:
             rid = self.routes.find(identity, req.target)
-            if rid is not None and self._take_pending(rid):  # not at the engine yet: answer it here
+            if rid is not None and (self._take_pending(rid) or self._cancel_remote(rid)):  # answer it here
                 self.routes.remove(rid)
                 self._reply(identity, P.error(req.target, P.CANCELLED, "cancelled by the client"))
             elif rid is not None:
                 self.loop.abort(rid, P.CANCELLED, "cancelled by the client")
             self._reply(identity, P.reply("cancel", req.id, target=req.target, found=rid is not None))
+
+    def _cancel_remote(self, rid: str) -> bool:
+        cancel = self._remote.pop(rid, None)
+        if cancel is not None:
+            cancel()
+        return cancel is not None
 
     # ---- sending (under the lock) -----------------------------------------------------------
     def _deliver(self) -> None:
@@ -413,6 +493,8 @@ class IPCServer:
             self._send(identity, payload)
 
     def _send(self, identity: bytes, payload: bytes) -> None:
+        if identity.startswith(LOCAL_PREFIX):
+            return self.local_sink(identity, payload)
         try:
             self._router.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.Again:
@@ -438,7 +520,7 @@ class IPCServer:
         for lane in self._lanes:
             lane.discard(identity)
         for rid in rids:
-            if not self._take_pending(rid):
+            if not self._take_pending(rid) and not self._cancel_remote(rid):
                 self.loop.abort(rid)
         if ban_until is not None:
             self.routes.ban(identity, ban_until)
@@ -465,6 +547,7 @@ class IPCServer:
     def _fail_remaining(self) -> None:
         """At close: whatever is still in flight gets a final `unavailable`."""
         for rid in list(self.routes.flights):
+            self._cancel_remote(rid)
             flight = self.routes.remove(rid)
             self._send(flight.identity, P.pack(P.error(flight.client_id, P.UNAVAILABLE, self._stop_reason)))
 
