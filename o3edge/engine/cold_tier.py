@@ -8,8 +8,10 @@ hash, token ids), its layout version and model identity, and carries a CRC32 of 
 itself. A slot is written WRITING first, then the slab, then the header,
 then VALID: a crash mid-copy leaves a slot that a restarted daemon drops. A restart re-attaches,
 rebuilds the index from the headers (the headers are the index: there is no manifest to get out
-of step with them), and checks every slab's checksum, tokens and parent when it is loaded; any
-mismatch drops the block and the caller recomputes it. Never a corrupt block.
+of step with them), and checks every slab's tokens and parent when it is loaded, and its checksum
+the first time this process loads it (a slab this process wrote itself was checksummed from the
+bytes it wrote; the check is what catches a torn write or a crash, which only a restart can meet);
+any mismatch drops the block and the caller recomputes it. Never a corrupt block.
 
 The checksum is zlib's CRC32: it runs at ~4 GB/s per core here, releases the GIL on large buffers
 (so a restore verifies many slabs on several threads), and needs no package that an edge image or
@@ -94,6 +96,7 @@ class ColdTier:
         self.lru: OrderedDict[int, None] = OrderedDict()  # valid slots, least recently used first
         self.free: list[int] = []
         self.pinned: dict[int, int] = {}  # slot -> readers (an in-flight restore)
+        self.checked: set[int] = set()  # slots whose payload this process wrote or has verified
         self.stamp = 0
         self.counts = {"cold_stored": 0, "cold_evicted": 0, "cold_checksum_failures": 0,
                        "cold_dropped": 0}
@@ -255,6 +258,7 @@ class ColdTier:
         payload_crc = zlib.crc32(self.payload(slot))  # outside the lock: the GIL is released
         with self.lock:
             self._write_header(slot, entry, payload_crc)
+            self.checked.add(slot)
             self._set_state(slot, VALID)
             if entry.hash in self.index:  # stored twice meanwhile: keep the first
                 self._forget(slot)
@@ -277,7 +281,7 @@ class ColdTier:
         entry, _ = self._read_header(slot)
         ok = (entry is not None and entry.hash == h and entry.parent == parent
               and entry.token_ids == tuple(token_ids))
-        if ok:
+        if ok and slot not in self.checked:
             off = self._offset(slot)
             stored = int.from_bytes(self.mm[off + 76:off + 80], "little")
             ok = zlib.crc32(self.payload(slot)) == stored
@@ -288,6 +292,7 @@ class ColdTier:
                 if self.index.get(h) == slot:
                     self._forget(slot)
                 return None
+            self.checked.add(slot)
             self.stamp += 1
             off = self._offset(slot)
             self.mm[off + _STAMP_AT:off + _STAMP_AT + 8] = self.stamp.to_bytes(8, "little")
@@ -311,6 +316,7 @@ class ColdTier:
         self.lru[slot] = None
 
     def _forget(self, slot: int) -> None:
+        self.checked.discard(slot)
         entry = self.entries[slot]
         if entry is not None and self.index.get(entry.hash) == slot:
             del self.index[entry.hash]

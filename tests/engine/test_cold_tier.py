@@ -83,9 +83,12 @@ def test_full_arena_evicts_lru_and_skips_pinned_slots(shm):
 
 
 def test_flipped_byte_is_refused_and_dropped(shm):
+    """A slab is checksummed the first time a process loads it: after a restart, a flipped byte is caught."""
     t = tier(shm)
     e = block(0)
     slot = store(t, e, 5)
+    t.close()
+    t = tier(shm)  # a restarted daemon re-attaches
     t.mm[t.payload_offset(slot) + 1234] ^= 0x40
     assert t.verify(e.hash, e.parent, e.token_ids) is None
     assert e.hash not in t and t.stats()["cold_checksum_failures"] == 1
@@ -96,6 +99,8 @@ def test_torn_and_truncated_slabs_are_refused(shm):
     t = tier(shm)
     whole, torn = block(0), block(1)
     slot = store(t, whole, 5)
+    t.close()
+    t = tier(shm)  # what a restart finds (this process's own slabs were checksummed as it wrote them)
     half = t.payload_offset(slot) + PAYLOAD // 2
     t.mm[half:t.payload_offset(slot) + PAYLOAD] = bytes(PAYLOAD - PAYLOAD // 2)  # the tail never arrived
     assert t.verify(whole.hash, whole.parent, whole.token_ids) is None
