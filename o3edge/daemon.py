@@ -43,8 +43,6 @@ from typing import Callable
 
 from o3edge.config import O3Config
 from o3edge.energy_service import EnergyService, state_directory
-from o3edge.engine.scheduler import ClassPolicy
-from o3edge.engine.sequence import Priority
 from o3edge.errors import CheckpointError, ConfigError, O3Error
 from o3edge.ipc.endpoint import EndpointInUse
 from o3edge.ipc.engine_loop import Hooks
@@ -85,7 +83,7 @@ class Daemon:
         # consecutive pings 1/2 to 3/4 of WATCHDOG_USEC apart.
         ping_s = self.notifier.watchdog_interval_s
         idle_wake_s = min(MAX_IDLE_WAKE_S, ping_s / 2) if ping_s else MAX_IDLE_WAKE_S
-        self.server = IPCServer(settings.server, self._load_engine, hooks, idle_wake_s)
+        self.server = IPCServer(settings.server, self._load_engine, hooks, idle_wake_s, settings.engine.policy.requests)
         self.energy.attach(self.server)
         self.server.about["energy_log"] = str(self.energy.log_path) if self.energy.log_path else None
 
@@ -100,15 +98,15 @@ class Daemon:
         from o3edge.engine.engine import LLMEngine
 
         config: O3Config = self.settings.engine
-        engine = LLMEngine(config, resolve_model_path(config.model_path))
-        engine.scheduler.set_limits(*scheduler_limits(self.settings))
+        engine = LLMEngine(config, resolve_model_path(config.model_path))  # serves by config.policy
         tidy_cold_tier(config.cold_tier_dir, engine.offloader.tier.path if engine.offloader else None)
         return engine
 
     def apply_limits(self, settings: Settings) -> None:
-        """Apply reloadable limits (SIGHUP): server queue bounds and the scheduler's class policies."""
+        """Apply reloadable limits (SIGHUP): server queue bounds and the engine's policy."""
         self.server.update_limits(settings.server)
-        self.server.loop.call(lambda engine: engine.scheduler.set_limits(*scheduler_limits(settings)))
+        policy = settings.engine.policy
+        self.server.loop.call(lambda engine: engine.set_policy(policy))
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self._on_stop_signal)
@@ -179,16 +177,6 @@ class Daemon:
             log.info("reloaded settings: applied %s%s", ", ".join(applied) or "nothing",
                      f"; need a restart: {', '.join(need_restart)}" if need_restart else "")
         self.notifier.ready(self.server.status_line())
-
-
-def scheduler_limits(settings: Settings) -> tuple[dict, int, int]:
-    """The engine scheduler's per-class policies and queue bounds, from [scheduler] and [server]."""
-    policy = {}
-    for priority in Priority:
-        limits = getattr(settings.scheduler, priority.name.lower())
-        policy[priority] = ClassPolicy(limits.max_wait_ms, limits.max_concurrent, limits.breaker_threshold,
-                                       limits.breaker_cooldown_ms)
-    return policy, settings.server.queue_max_requests, settings.server.queue_max_prompt_tokens
 
 
 def with_test_fault(on_loop: Callable[[], None], spec: str | None) -> Callable[[], None]:

@@ -22,6 +22,7 @@ from o3edge.engine.scheduler import Scheduler
 from o3edge.engine.sequence import Priority, SamplingParams, Sequence
 from o3edge.engine.tokenizer import Detokenizer, Tokenizer
 from o3edge.errors import InvalidRequest, OutOfCapacity, PromptTooLong
+from o3edge.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -68,20 +69,6 @@ class StepReport:
     t_start_ns: int
     t_end_ns: int
     tokens: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (prompt, generated)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(p for p, _ in self.tokens.values())
-
-    @property
-    def num_decode_tokens(self) -> int:
-        """Tokens generated in the step."""
-        return sum(d for _, d in self.tokens.values())
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens run through the model: prompt chunks, plus one for each decoding sequence."""
-        return sum(p or d for p, d in self.tokens.values())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -143,7 +130,8 @@ class LLMEngine:
         identity = fp if onnx else model_identity(model_dir, fp, layout, weight_files(model_dir))
         self.blocks = BlockManager(num_blocks, config.kv_block_size, identity, prefix_reuse)
         self.offloader = self._cold_tier(config, identity, block_bytes) if prefix_reuse else None
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.policy = config.policy  # replaced whole by set_policy (a reload)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.policy)
         self.scheduler.set_window(config.batch_window_ms, config.min_batch_size)
         eos = args.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(self.tokenizer.eos_token)] if t is not None)
         self.info = RuntimeInfo(model_dir, str(device), str(dtype).removeprefix("torch."), args, fp, num_blocks,
@@ -190,14 +178,15 @@ class LLMEngine:
             self.offloader.close()
             self.offloader = None
 
+    def set_policy(self, policy: Policy) -> None:
+        """Serve by new classes, queue bounds and request limits from now on (a reload)."""
+        self.policy = policy
+        self.scheduler.set_policy(policy)
+
     # ---- requests --------------------------------------------------------------------------
     def encode(self, prompt: str | None = None, messages: list | None = None) -> list[int]:
         """Token ids for a plain prompt or a chat."""
-        if messages is not None:
-            return self.tokenizer.encode_chat(messages)
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidRequest("a non-empty prompt or messages is required")
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode_request(prompt, messages)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: Priority = Priority.NORMAL, deadline: float | None = None) -> Sequence:
@@ -205,6 +194,7 @@ class LLMEngine:
         if request_id in self.seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids)
+        self.policy.requests.check(params.max_new_tokens, params.temperature, params.top_k, params.stop)
         seq = Sequence(request_id, list(prompt_token_ids), params, Priority(priority), deadline)
         self.scheduler.add(seq)  # raises Busy when the queue is full or the class is shedding load
         self.seqs[request_id] = seq

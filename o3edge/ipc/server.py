@@ -43,6 +43,7 @@ from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
 from o3edge.ipc.intake import Lane
 from o3edge.ipc.routes import Routes
 from o3edge.memory import Trimmer
+from o3edge.policy import RequestLimits
 from o3edge.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -78,8 +79,9 @@ class IPCServer:
     """Serves one LLMEngine over ZeroMQ; see the module docstring for the lifecycle."""
 
     def __init__(self, settings: ServerSettings, load_engine: Callable[[], "LLMEngine"],
-                 hooks: Hooks | None = None, idle_wake_s: float = 1.0):
+                 hooks: Hooks | None = None, idle_wake_s: float = 1.0, limits: RequestLimits = RequestLimits()):
         self.settings = settings
+        self.limits = limits  # what one request may ask for: the engine's policy (O3Config.policy.requests)
         self.hooks = hooks or Hooks()
         self.ctx = zmq.Context()
         self.access = AccessControl(self.ctx, parse_uids(settings.allowed_uids), parse_gids(settings.allowed_groups),
@@ -291,7 +293,7 @@ class IPCServer:
             self.counts["bad_messages"] += 1
             return self._reject(identity, None, P.BAD_MESSAGE, f"a request is exactly one frame, got {count}")
         try:
-            req = P.parse(frames[0], self.settings.max_message_bytes)
+            req = P.parse(frames[0], self.settings.max_message_bytes, self.limits)
         except P.ProtocolError as exc:
             self.counts["bad_messages"] += 1
             return self._reject(identity, exc.request_id, exc.code, exc.message)
