@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -15,13 +16,14 @@ from o3edge.engine.cold_tier import model_identity, open_cold_tier
 from o3edge.engine.cpu_decode import default_num_threads
 from o3edge.engine.cpu_quant import int8_tag
 from o3edge.engine.engine_dir import built_dtype
+from o3edge.engine.faults import MAX_FAILED_STEPS, is_fatal, recover
 from o3edge.engine.loader import load_model
 from o3edge.engine.quant import int4_tag
 from o3edge.engine.runner import ModelRunner
 from o3edge.engine.scheduler import Scheduler
 from o3edge.engine.sequence import Priority, SamplingParams, Sequence
 from o3edge.engine.tokenizer import Detokenizer, Tokenizer
-from o3edge.errors import InvalidRequest, OutOfCapacity, PromptTooLong
+from o3edge.errors import EngineFailed, InvalidRequest, OutOfCapacity, PromptTooLong
 from o3edge.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     num_cold_tokens: int = 0  # of the cached tokens, those copied in from the cold tier
+    error: str | None = None  # finish_reason "error": what failed (this request only; the others go on)
 
 
 @dataclass
@@ -140,6 +143,10 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, Detokenizer] = {}
         self.num_generated_tokens = 0
+        self.num_failed_steps = 0  # in a row; MAX_FAILED_STEPS of them end the engine
+        # Test-only: called with each sequence before its new token is taken in; what it raises fails
+        # that request alone, as any error of a request's own work does. None outside tests.
+        self.fault_hook: Callable[[Sequence], None] | None = None
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
                  model_dir, device, self.info.dtype, num_blocks, config.kv_block_size,
                  self.info.kv_cache_bytes / 2**20, max_len)
@@ -254,7 +261,11 @@ class LLMEngine:
         for seq, _ in batch:
             if seq.cold_pending:
                 self.blocks.restored(seq, self._restore(seq))
-        tokens = self.runner.run(batch)
+        try:
+            tokens = self.runner.run(batch)
+        except Exception as exc:
+            return outputs + self._step_failed(batch, exc), None
+        self.num_failed_steps = 0
         report = StepReport(t0, time.monotonic_ns())
         now = time.monotonic()
         for (seq, n), token in zip(batch, tokens):
@@ -263,8 +274,37 @@ class LLMEngine:
             report.tokens[seq.request_id] = (0 if is_decode else n, 0 if token is None else 1)
             self.blocks.mark_computed(seq, n)
             if token is not None:
-                outputs.append(self._append(seq, token, now))
+                outputs.append(self._take_token(seq, token, now))
         return outputs, report
+
+    def _step_failed(self, batch: list[tuple[Sequence, int]], exc: Exception) -> list[RequestOutput]:
+        """The model run failed: end this step's requests (the waiting ones go on), or the engine when the
+        device is lost or the failures keep coming (EngineFailed)."""
+        self.num_failed_steps += 1
+        if is_fatal(exc) or self.num_failed_steps >= MAX_FAILED_STEPS:
+            raise EngineFailed(f"the engine cannot go on ({self.num_failed_steps} failing step(s) in a row): "
+                               f"{type(exc).__name__}: {exc}") from exc
+        log.error("engine step failed; ending its %d requests", len(batch), exc_info=exc)
+        outputs = [self._failed(seq, exc) for seq, _ in batch]
+        recover(exc)
+        return outputs
+
+    def _take_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        """Append a sampled token; an error in this request's own work (detokenizing, stop checks) ends
+        this request alone."""
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(seq)
+            return self._append(seq, token, now)
+        except Exception as exc:
+            log.error("request %s failed", seq.request_id, exc_info=exc)
+            return self._failed(seq, exc)
+
+    def _failed(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        self.abort(seq.request_id, "error")
+        return RequestOutput(seq.request_id, [], "", True, "error", seq.num_prompt_tokens, seq.num_output_tokens,
+                             seq.num_cached_tokens, seq.arrival_time, seq.first_token_time, seq.num_cold_tokens,
+                             error=f"{type(exc).__name__}: {exc}"[:200])
 
     def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.token_ids.append(token)

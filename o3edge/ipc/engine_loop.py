@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from o3edge.engine.sequence import Priority, SamplingParams
-from o3edge.errors import O3Error
+from o3edge.errors import EngineFailed, O3Error
 from o3edge.ipc import protocol as P
 
 if TYPE_CHECKING:  # the engine (and torch) is imported by the loader, on the engine thread
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the engine (and torch) is imported by the loader, on the en
 log = logging.getLogger(__name__)
 
 TOKEN, END = b"T", b"E"  # outbox entry kind: more replies follow for this job / this is its last reply
-MAX_STEP_FAILURES = 3  # consecutive failing steps before the engine is declared dead
+MAX_STEP_FAILURES = 3  # consecutive steps failing outside the model run before the engine is declared dead
 RATE_WINDOW_S = 10.0
 
 
@@ -220,7 +220,13 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs, report = self.engine.step()
-        except Exception:
+        except EngineFailed as exc:  # the device is lost: nothing more can run
+            log.error("%s; failing %d requests", exc, len(self._jobs), exc_info=exc.__cause__)
+            for rid in list(self._jobs):
+                self._abort(rid, P.UNAVAILABLE, "the engine failed (its device) while running this request")
+            self.error, self.state = exc, "failed"
+            return
+        except Exception:  # a bug outside the model run and the requests' own work: the engine's books may be off
             self._step_failed()
             return
         self._failures = 0
@@ -255,6 +261,10 @@ class EngineLoop:
         r = job.request
         if out.finish_reason == "deadline_exceeded":  # the scheduler cut it (queued or running)
             return self._expired(job, out)
+        if out.finish_reason == "error":  # this request failed in the step; the others go on
+            del self._jobs[job.rid]
+            return self._end(job, P.error(r.id, P.INTERNAL, "the engine failed while running this request"),
+                             P.INTERNAL)
         if out.finish_reason == P.BUSY:  # displaced from a full queue, never ran
             del self._jobs[job.rid]
             return self._end(job, P.error(r.id, P.BUSY, "the queue is full: a more important request took "
