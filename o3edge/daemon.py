@@ -149,7 +149,7 @@ class Daemon:
                 return EXIT_CONFIG if bad_setup else EXIT_FAILED
             if state == "ready" and not is_ready:
                 is_ready, last_status = True, time.monotonic()
-                log.info("ready: %s", _describe(self.server))
+                log.info("ready: %s", self.server.loop.view.describe(self.server.settings.endpoint))
                 self.notifier.ready(self.server.status_line())
             if self.reload_requested and is_ready:  # READY=1 ends a reload: not before the first one
                 self.reload_requested = False
@@ -225,12 +225,6 @@ def drop_cold_tier(directory: str) -> None:
 
     removed = remove_unused(directory)
     log.info("dropped the KV cold tier: %s", ", ".join(removed) or "nothing to remove")
-
-
-def _describe(server: IPCServer) -> str:
-    info = server.loop.engine.info
-    return (f"{os.path.basename(os.path.normpath(info.model_dir))} on {info.device}/{info.dtype}, "
-            f"{info.num_kv_blocks} KV blocks, loaded in {info.load_seconds:.2f} s, on {server.settings.endpoint}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -46,8 +46,9 @@ class NullEngine:
         self.reqs: dict[str, list[int]] = {}
         self.info = SimpleNamespace(model_dir="/null", device="cpu", dtype="none", fingerprint="null",
                                     args=SimpleNamespace(family="null", vocab_size=1000), num_kv_blocks=1,
-                                    kv_block_size=16, kv_cache_bytes=0, max_model_len=1 << 20, load_seconds=0.0)
-        self.tokenizer = SimpleNamespace(chat_template=None)
+                                    kv_block_size=16, kv_cache_bytes=0, max_model_len=1 << 20, load_seconds=0.0,
+                                    cache_identity="")
+        self.tokenizer = SimpleNamespace(chat_template=None, encode_request=self.encode)
 
     def encode(self, prompt=None, messages=None):
         return [1, 2, 3]

@@ -105,7 +105,7 @@ class FakeEngine:
         self.info = SimpleNamespace(model_dir="/fake/model", device="cpu", dtype="float32", args=args,
                                     fingerprint="fake", num_kv_blocks=64, kv_block_size=16, kv_cache_bytes=0,
                                     max_model_len=64, load_seconds=0.0, cache_identity="0" * 32)
-        self.tokenizer = SimpleNamespace(chat_template=None)
+        self.tokenizer = SimpleNamespace(chat_template=None, encode_request=self.encode)
 
     def encode(self, prompt=None, messages=None):
         return list(range(len(prompt.split()))) if prompt else [0]
