@@ -36,7 +36,7 @@ except ModuleNotFoundError:  # Python 3.10 (Jetson's Ubuntu 22.04): the same par
 from o3edge.config import O3Config
 from o3edge.errors import ConfigError
 from o3edge.ipc.protocol import DEFAULT_ENDPOINT
-from o3edge.policy import ClassLimits, Policy, SchedulerPolicy  # noqa: F401 (ClassLimits: the [scheduler] schema)
+from o3edge.policy import Policy, SchedulerPolicy
 from o3edge.power.meter import METER_CHOICES as METERS
 
 DEFAULT_CONFIG_PATH = "/etc/o3edge/o3edge.toml"
@@ -170,7 +170,7 @@ class Settings:
 
     def reloadable_diff(self, new: "Settings") -> tuple[list[str], list[str]]:
         """Changed settings as dotted names: (those a SIGHUP applies, those that need a restart)."""
-        old_values, new_values = _flatten(self.as_dict()), _flatten(new.as_dict())
+        old_values, new_values = flatten(self.as_dict()), flatten(new.as_dict())
         changed = sorted(name for name in old_values if old_values[name] != new_values[name])
         applied = [name for name in changed if is_reloadable(name)]
         return applied, [name for name in changed if not is_reloadable(name)]
@@ -394,11 +394,12 @@ def _drop_none(table: dict) -> dict:
     return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in table.items() if v is not None}
 
 
-def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+    """{"classes": {"low": {"running": 0}}} -> {"classes.low.running": 0} (an empty table stays a value)."""
     flat = {}
     for key, value in table.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

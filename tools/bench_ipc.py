@@ -31,8 +31,8 @@ import msgpack  # noqa: E402
 import zmq  # noqa: E402
 
 from o3edge.ipc.client import DaemonUnavailable, O3Client, TokenEvent  # noqa: E402
+from tools.daemon_process import REPO, DaemonProcess  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "def parse_arguments(argv):\n    "
 STEP_S = 0.0002
 
@@ -95,8 +95,9 @@ def serve_null(endpoint: str) -> None:
     server.shutdown(timeout=1.0)
 
 
-def start(cmd: list[str], endpoint: str, env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.DEVNULL, env=env)
+def start_null_server(endpoint: str) -> subprocess.Popen:
+    """The null-engine server in a child process (o3edged itself runs through tools/daemon_process.py)."""
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-null", endpoint], cwd=REPO, stderr=subprocess.DEVNULL)
     end = time.monotonic() + 120
     while time.monotonic() < end:
         try:
@@ -192,7 +193,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="o3bench") as tmp:
         null_ep = f"ipc://{tmp}/null.sock"
-        proc = start([sys.executable, __file__, "--serve-null", null_ep], null_ep)
+        proc = start_null_server(null_ep)
         try:
             h = bench_health(null_ep, args.health)
             t = bench_null_stream(null_ep, proc.pid, args.null_tokens)
@@ -207,23 +208,18 @@ def main() -> None:
                  ("CPU per streamed token: daemon (loop + I/O) / client",
                   f"{t['daemon_cpu_us']:.0f} / {t['client_cpu_us']:.0f} µs")]
 
-        config = os.path.join(tmp, "o3.toml")
-        endpoint = f"ipc://{tmp}/o3.sock"
-        with open(config, "w") as fh:
-            fh.write(f'[engine]\nmodel_path = "{model_dir}"\ndevice = "cpu"\nnum_kv_blocks = 256\n'
-                     f'[server]\nendpoint = "{endpoint}"\n')
         torch.set_num_threads(args.threads)
         model = O3Model.from_config(O3Config(model_path=model_dir, device="cpu", num_kv_blocks=256))
-        proc = start([sys.executable, "-m", "o3edge.daemon", "--config", config, "--log-level", "warning"], endpoint,
-                     env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+        daemon = DaemonProcess(tmp, model_dir, "o3.sock", {"engine": {"num_kv_blocks": 256}},
+                               env={"OMP_NUM_THREADS": str(args.threads)}, args=("--log-level", "warning"))
         local, remote = [], []
         try:
+            daemon.start().wait_ready(120)
             for _ in range(args.repeats):  # interleaved, so load from other processes hits both alike
                 local.append(inprocess_decode(model, args.tokens))
-                remote.append(socket_decode(endpoint, args.tokens))
+                remote.append(socket_decode(daemon.endpoint, args.tokens))
         finally:
-            proc.terminate()
-            proc.wait()
+            daemon.stop()
         lo, ro = statistics.median(local), statistics.median(remote)
         rows += [(f"decode, in-process O3Model.stream ({os.path.basename(model_dir)}, {args.threads} thread(s), "
                   f"median of {args.repeats})", f"{lo * 1e3:.2f} ms/token"),

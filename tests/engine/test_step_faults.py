@@ -1,6 +1,5 @@
 """A request that fails inside a step ends alone: the others in that step finish with the same tokens."""
 
-import pytest
 import torch
 
 from o3edge import O3Config, O3Model

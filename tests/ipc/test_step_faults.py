@@ -3,8 +3,6 @@ requests sharing its steps get `done`, and the daemon stays ready."""
 
 import threading
 
-import pytest
-
 from o3edge.config import O3Config
 from o3edge.ipc import protocol as P
 from o3edge.ipc.client import O3Client, RequestError
