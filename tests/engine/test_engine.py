@@ -10,6 +10,7 @@ from o3edge import O3Config, O3Model
 from o3edge.engine.sequence import SamplingParams
 from o3edge.engine.tokenizer import Detokenizer
 from o3edge.errors import CheckpointError, InvalidRequest, O3Error, PromptTooLong
+from tests.helpers import require
 
 SYSTEM = "You are a careful assistant who answers questions about the Python standard library. " * 3
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -128,7 +129,7 @@ def test_detokenizer_holds_back_partial_utf8_and_partial_stops(tiny_dir):
 
 
 def test_chat_template_matches_transformers(tiny_dir):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     m = load(tiny_dir)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is json?"}]
     hf = transformers.AutoTokenizer.from_pretrained(tiny_dir)
