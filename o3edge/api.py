@@ -20,7 +20,7 @@ class GenerationResult:
 
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "stop", "length", or "error": this request failed in a step (the others went on)
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float  # submission to first token

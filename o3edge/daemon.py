@@ -14,8 +14,8 @@ variables, then these flags. With no model configured, the built-in default mode
 (every model's) before starting, so this start begins with an empty tier.
 
 Exit status: 0 stopped cleanly (SIGTERM/SIGINT, after draining); 1 the engine or the I/O thread
-failed (a load error other than the model's, a lost device, repeated step failures, a bug); 2 bad command line;
-73 the endpoint is taken by another o3edged or cannot be bound; 78 bad configuration or model.
+failed (a load error other than the model's, a lost device, repeated step failures, a bug); 2 bad
+command line; 73 the endpoint is taken by another o3edged or cannot be bound; 78 bad configuration or model.
 
 systemd (Type=notify): READY=1 once the socket is bound and the engine warmed up; WATCHDOG=1 from
 the engine loop (Hooks.on_loop), which then wakes at least twice per ping interval; EXTEND_TIMEOUT_USEC

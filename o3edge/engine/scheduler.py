@@ -55,7 +55,8 @@ class Scheduler:
                          for p, v in self.policy.items()}
         for p, b in self.breakers.items():
             b.threshold, b.cooldown_s = self.policy[p].breaker_threshold, self.policy[p].breaker_cooldown_ms / 1000
-        self.max_queue_requests, self.max_queue_prompt_tokens = policy.queue_max_requests, policy.queue_max_prompt_tokens
+        self.max_queue_requests = policy.queue_max_requests
+        self.max_queue_prompt_tokens = policy.queue_max_prompt_tokens
 
     # ---- admission to the queue ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
