@@ -10,6 +10,7 @@ from typing import Iterator
 from o3edge.config import O3Config
 from o3edge.engine.engine import LLMEngine, RequestOutput
 from o3edge.engine.sequence import SamplingParams
+from o3edge.errors import O3Error
 from o3edge.model_path import resolve_model_path
 
 
@@ -19,7 +20,7 @@ class GenerationResult:
 
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "stop", "length", or "error": this request failed in a step (the others went on)
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float  # submission to first token
@@ -37,7 +38,8 @@ class GenerationResult:
 
 
 class O3Model:
-    """A loaded model that generates text in this process."""
+    """A loaded model that generates text in this process, by its config's policy (o3edge.policy):
+    class limits, a bounded queue (a full one raises Busy) and request limits, as o3edged's."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -59,8 +61,13 @@ class O3Model:
     def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
         """Run several tokenized prompts together (continuous batching); results in input order."""
         starts, rids = time.perf_counter(), [f"local-{next(self._ids)}" for _ in prompts]
-        for rid, ids in zip(rids, prompts):
-            self.engine.add_request(rid, ids, params)
+        try:
+            for rid, ids in zip(rids, prompts):
+                self.engine.add_request(rid, ids, params)
+        except O3Error:  # one refused (a full queue, a bad prompt): none of the batch runs
+            for rid in rids:
+                self.engine.abort(rid)
+            raise
         parts: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}
         first: dict[str, float] = {}
         results: dict[str, GenerationResult] = {}

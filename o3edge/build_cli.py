@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from o3edge.config import INT4_GROUP_SIZES
 from o3edge.errors import O3Error
 
 
@@ -29,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("out", help="engine directory to write")
     b.add_argument("--int4-ffn", action=argparse.BooleanOptionalAction, default=True,
                    help="weight-only INT4 for the FFN projections (default: on)")
-    b.add_argument("--group-size", type=int, choices=(32, 64, 128, 256), default=128,
+    b.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES, default=128,
                    help="INT4 group size along the input dimension (default: 128)")
     b.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="dtype of everything not INT4 (default: bfloat16; float32 runs faster on CPUs "
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e.add_argument("src", help="checkpoint directory")
     e.add_argument("out", help="directory to write model.onnx, onnx.json and the tokenizer into")
     e.add_argument("--dtype", choices=("float32", "float16"), default="float32")
-    e.add_argument("--int4-group", type=int, choices=(0, 32, 64, 128, 256), default=0,
+    e.add_argument("--int4-group", type=int, choices=(0, *INT4_GROUP_SIZES), default=0,
                    help="FFN weights as INT4 MatMulNBits with this group size (0: keep them dense)")
     e.add_argument("--check", action="store_true",
                    help="compare ONNX Runtime's logits and greedy tokens with the torch engine's, store the table")

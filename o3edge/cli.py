@@ -35,6 +35,7 @@ from o3edge.errors import ConfigError
 from o3edge.ipc import protocol as P
 from o3edge.ipc.client import Completion, DaemonUnavailable, O3Client, PermissionDenied, RequestError, \
     TokenEvent, default_endpoint
+from o3edge.settings import flatten
 
 EXIT_OK, EXIT_REQUEST, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_PERMISSION, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
@@ -131,7 +132,7 @@ def cmd_show(client: O3Client, args) -> int:
     if args.json:
         print(json.dumps(body))
     else:
-        flat = _flatten(body)
+        flat = flatten(body)
         width = max(map(len, flat), default=0)
         for key, value in flat.items():
             print(f"{key:<{width}}  {value}")
@@ -194,17 +195,6 @@ def _print_energy_rows(rows: list) -> None:
     generated, joules = sum(r.completion_tokens for r in rows), sum(r.joules for r in rows)
     overall = f"{generated / joules:.3f} tokens/J" if joules > 0 else "no energy measured"
     print(f"total: {sum(r.requests for r in rows)} requests, {generated} generated tokens, {joules:.3f} J, {overall}")
-
-
-def _flatten(table: dict, prefix: str = "") -> dict:
-    """{"classes": {"low": {"running": 0}}} -> {"classes.low.running": 0}, for text output."""
-    flat = {}
-    for key, value in table.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,14 +1,20 @@
-"""The engine's frozen configuration (the article's O3Config) and its validation."""
+"""The engine's frozen configuration (the article's O3Config) and its validation.
+
+Its `policy` (o3edge.policy: priority classes, queue bounds, request limits) is the one the engine,
+the daemon and O3Model serve by.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from o3edge.errors import ConfigError
+from o3edge.policy import Policy
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("torch", "onnxruntime")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # group sizes the INT4 packers and kernels take
 
 
 @dataclass(frozen=True)
@@ -39,14 +45,15 @@ class O3Config:
     num_threads: int | None = None  # CPU threads for torch; None: physical cores, at most 8 (cpu_decode.py)
     seed: int = 0
     backend: str = "torch"  # "onnxruntime": serve an `o3edge export` directory through ONNX Runtime
+    policy: Policy = field(default_factory=Policy)  # classes, queue bounds, request limits (o3edge.policy)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
-        if self.int4_group_size not in (32, 64, 128, 256):
-            raise ConfigError(f"int4_group_size must be 32, 64, 128 or 256, got {self.int4_group_size}")
+        if self.int4_group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"int4_group_size must be one of {INT4_GROUP_SIZES}, got {self.int4_group_size}")
         for name in ("kv_block_size", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -64,10 +71,6 @@ class O3Config:
             raise ConfigError(f"cold_tier_dir must be an absolute path, got {self.cold_tier_dir!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
-
-    def replace(self, **changes) -> "O3Config":
-        """A copy with some fields changed (the original stays frozen)."""
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_dict(cls, values: dict) -> "O3Config":

@@ -14,8 +14,8 @@ variables, then these flags. With no model configured, the built-in default mode
 (every model's) before starting, so this start begins with an empty tier.
 
 Exit status: 0 stopped cleanly (SIGTERM/SIGINT, after draining); 1 the engine or the I/O thread
-failed (a load error other than the model's, repeated step failures, a bug); 2 bad command line;
-73 the endpoint is taken by another o3edged or cannot be bound; 78 bad configuration or model.
+failed (a load error other than the model's, a lost device, repeated step failures, a bug); 2 bad
+command line; 73 the endpoint is taken by another o3edged or cannot be bound; 78 bad configuration or model.
 
 systemd (Type=notify): READY=1 once the socket is bound and the engine warmed up; WATCHDOG=1 from
 the engine loop (Hooks.on_loop), which then wakes at least twice per ping interval; EXTEND_TIMEOUT_USEC
@@ -43,8 +43,6 @@ from typing import Callable
 
 from o3edge.config import O3Config
 from o3edge.energy_service import EnergyService, state_directory
-from o3edge.engine.scheduler import ClassPolicy
-from o3edge.engine.sequence import Priority
 from o3edge.errors import CheckpointError, ConfigError, O3Error
 from o3edge.http.doors import Doors
 from o3edge.ipc.endpoint import EndpointInUse
@@ -86,7 +84,7 @@ class Daemon:
         # consecutive pings 1/2 to 3/4 of WATCHDOG_USEC apart.
         ping_s = self.notifier.watchdog_interval_s
         idle_wake_s = min(MAX_IDLE_WAKE_S, ping_s / 2) if ping_s else MAX_IDLE_WAKE_S
-        self.server = IPCServer(settings.server, self._load_engine, hooks, idle_wake_s)
+        self.server = IPCServer(settings.server, self._load_engine, hooks, idle_wake_s, settings.engine.policy.requests)
         self.energy.attach(self.server)
         self.server.about["energy_log"] = str(self.energy.log_path) if self.energy.log_path else None
         self.doors = Doors(settings.http, settings.upstream, self.server, self.energy.registry, self.energy.requests)
@@ -102,15 +100,15 @@ class Daemon:
         from o3edge.engine.engine import LLMEngine
 
         config: O3Config = self.settings.engine
-        engine = LLMEngine(config, resolve_model_path(config.model_path))
-        engine.scheduler.set_limits(*scheduler_limits(self.settings))
+        engine = LLMEngine(config, resolve_model_path(config.model_path))  # serves by config.policy
         tidy_cold_tier(config.cold_tier_dir, engine.offloader.tier.path if engine.offloader else None)
         return engine
 
     def apply_limits(self, settings: Settings) -> None:
-        """Apply reloadable limits (SIGHUP): server queue bounds and the scheduler's class policies."""
+        """Apply reloadable limits (SIGHUP): server queue bounds and the engine's policy."""
         self.server.update_limits(settings.server)
-        self.server.loop.call(lambda engine: engine.scheduler.set_limits(*scheduler_limits(settings)))
+        policy = settings.engine.policy
+        self.server.loop.call(lambda engine: engine.set_policy(policy))
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self._on_stop_signal)
@@ -162,7 +160,7 @@ class Daemon:
                 return EXIT_CONFIG if bad_setup else EXIT_FAILED
             if state == "ready" and not is_ready:
                 is_ready, last_status = True, time.monotonic()
-                log.info("ready: %s", _describe(self.server))
+                log.info("ready: %s", self.server.loop.view.describe(self.server.settings.endpoint))
                 self.notifier.ready(self.server.status_line())
             if self.reload_requested and is_ready:  # READY=1 ends a reload: not before the first one
                 self.reload_requested = False
@@ -190,16 +188,6 @@ class Daemon:
             log.info("reloaded settings: applied %s%s", ", ".join(applied) or "nothing",
                      f"; need a restart: {', '.join(need_restart)}" if need_restart else "")
         self.notifier.ready(self.server.status_line())
-
-
-def scheduler_limits(settings: Settings) -> tuple[dict, int, int]:
-    """The engine scheduler's per-class policies and queue bounds, from [scheduler] and [server]."""
-    policy = {}
-    for priority in Priority:
-        limits = getattr(settings.scheduler, priority.name.lower())
-        policy[priority] = ClassPolicy(limits.max_wait_ms, limits.max_concurrent, limits.breaker_threshold,
-                                       limits.breaker_cooldown_ms)
-    return policy, settings.server.queue_max_requests, settings.server.queue_max_prompt_tokens
 
 
 def with_test_fault(on_loop: Callable[[], None], spec: str | None) -> Callable[[], None]:
@@ -248,12 +236,6 @@ def drop_cold_tier(directory: str) -> None:
 
     removed = remove_unused(directory)
     log.info("dropped the KV cold tier: %s", ", ".join(removed) or "nothing to remove")
-
-
-def _describe(server: IPCServer) -> str:
-    info = server.loop.engine.info
-    return (f"{os.path.basename(os.path.normpath(info.model_dir))} on {info.device}/{info.dtype}, "
-            f"{info.num_kv_blocks} KV blocks, loaded in {info.load_seconds:.2f} s, on {server.settings.endpoint}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

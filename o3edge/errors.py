@@ -44,3 +44,9 @@ class Busy(O3Error):
     """The queue is full or the request's class is shedding load; try again later."""
 
     code = "busy"
+
+
+class EngineFailed(O3Error):
+    """The engine cannot serve any more (device lost, memory that cannot be freed): o3edged exits `failed`."""
+
+    code = "unavailable"

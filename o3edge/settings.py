@@ -3,7 +3,9 @@
 `load_settings` builds it once and checks it; anything unknown is rejected by name with a
 ConfigError. Sections: [engine] (o3edge.config.O3Config), [kv] (the KV cache's cold tier, passed
 to the engine config), [server], [power], [metrics], [log], [scheduler] (one table per priority
-class), [http] and [upstream] (o3edge.http.config). The example /etc/o3edge/o3edge.toml lists every key.
+class), [http] and [upstream] (o3edge.http.config). The example /etc/o3edge/o3edge.toml lists every key. This module is the loader of the
+engine's O3Config: [scheduler] and server.queue_max_* become its policy (o3edge.policy), [kv] its
+cold-tier fields; the policy is defined there once.
 
 Environment: O3EDGE_<SECTION>_<KEY>, e.g. O3EDGE_ENGINE_DEVICE=cpu,
 O3EDGE_SCHEDULER_NORMAL_MAX_WAIT_MS=500. A variable naming a known section must name a known key;
@@ -34,14 +36,17 @@ except ModuleNotFoundError:  # Python 3.10 (Jetson's Ubuntu 22.04): the same par
 from o3edge.config import O3Config
 from o3edge.errors import ConfigError
 from o3edge.http.config import HttpSettings, UpstreamPolicy, UpstreamSettings
+from o3edge.ipc.protocol import DEFAULT_ENDPOINT
+from o3edge.policy import Policy, SchedulerPolicy
+from o3edge.power.meter import METER_CHOICES as METERS
 
 DEFAULT_CONFIG_PATH = "/etc/o3edge/o3edge.toml"
 ENV_PREFIX = "O3EDGE_"
-METERS = ("auto", "nvml", "rapl", "jetson", "estimate")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 RELOADABLE = ("log.level", "power.energy_log", "scheduler.*",
               "server.queue_max_requests", "server.queue_max_prompt_tokens")
 KV_IN_ENGINE = ("cold_tier_mb", "cold_tier_dir")  # [kv] settings the engine config carries
+LOADED_INTO_ENGINE = (*KV_IN_ENGINE, "policy")  # engine fields other sections fill, not [engine]
 _OCTAL = {"octal": True}  # field metadata: text values are octal (a file mode)
 
 
@@ -49,14 +54,14 @@ _OCTAL = {"octal": True}  # field metadata: text values are octal (a file mode)
 class ServerSettings:
     """The IPC server: where it listens and how much one client may ask of it."""
 
-    endpoint: str = "ipc:///run/o3edge/o3edge.sock"
+    endpoint: str = DEFAULT_ENDPOINT
     tcp_endpoint: str | None = None  # loopback only, e.g. tcp://127.0.0.1:7860
     socket_mode: int = field(default=0o660, metadata=_OCTAL)
     max_inflight_per_client: int = 8
     max_message_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0  # keep below the unit's TimeoutStopSec (45 s)
-    queue_max_requests: int = 256
-    queue_max_prompt_tokens: int = 262144
+    queue_max_requests: int = Policy.queue_max_requests  # the engine's policy: o3edge.policy.Policy
+    queue_max_prompt_tokens: int = Policy.queue_max_prompt_tokens
     # Who may connect, beyond the socket file's mode: uids or user names, gids or group names,
     # comma-separated; both empty = anyone who can open the socket. The daemon's own uid always may.
     allowed_uids: str = ""
@@ -131,44 +136,6 @@ class LogSettings:
 
 
 @dataclass(frozen=True)
-class ClassLimits:
-    """One priority class: longest queue wait, concurrent sequences, timeouts that open the breaker."""
-
-    max_wait_ms: int
-    max_concurrent: int
-    breaker_threshold: int
-    breaker_cooldown_ms: int = 5000  # how long an open breaker stays open before it half-opens
-
-    def __post_init__(self):
-        if self.breaker_cooldown_ms < 0:
-            raise ConfigError(f"breaker_cooldown_ms must be >= 0, got {self.breaker_cooldown_ms}")
-        if self.max_wait_ms < 0:
-            raise ConfigError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
-        _check_positive(self, "", ("max_concurrent", "breaker_threshold"))
-
-
-@dataclass(frozen=True)
-class SchedulerSettings:
-    """Per-priority-class limits (the seed article's table, plus `low`)."""
-
-    critical: ClassLimits = field(default_factory=lambda: ClassLimits(50, 8, 3))
-    high: ClassLimits = field(default_factory=lambda: ClassLimits(200, 16, 5))
-    normal: ClassLimits = field(default_factory=lambda: ClassLimits(1000, 32, 10))
-    low: ClassLimits = field(default_factory=lambda: ClassLimits(5000, 32, 20))
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "SchedulerSettings":
-        """Build from {class: {key: value}}; keys not given keep that class's default."""
-        base, classes = cls(), {}
-        for name, limits in values.items():
-            try:
-                classes[name] = dataclasses.replace(getattr(base, name), **limits)
-            except ConfigError as e:
-                raise ConfigError(f"scheduler.{name}.{e}") from None
-        return cls(**classes)
-
-
-@dataclass(frozen=True)
 class KVSettings:
     """The KV cache's shared-memory cold tier (docs/kv-cache.md); the engine config gets these values."""
 
@@ -192,20 +159,21 @@ class Settings:
     power: PowerSettings = field(default_factory=PowerSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     log: LogSettings = field(default_factory=LogSettings)
-    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    scheduler: SchedulerPolicy = field(default_factory=SchedulerPolicy)  # the classes of engine.policy
     http: HttpSettings = field(default_factory=HttpSettings)
     upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
 
     def as_dict(self) -> dict:
-        """Nested plain dict, one table per section ([kv] values appear there only, not under engine)."""
+        """Nested plain dict, one table per section ([kv], [scheduler] and the queue bounds appear
+        there only, not under engine)."""
         table = dataclasses.asdict(self)
-        for key in KV_IN_ENGINE:
+        for key in LOADED_INTO_ENGINE:
             del table["engine"][key]
         return table
 
     def reloadable_diff(self, new: "Settings") -> tuple[list[str], list[str]]:
         """Changed settings as dotted names: (those a SIGHUP applies, those that need a restart)."""
-        old_values, new_values = _flatten(self.as_dict()), _flatten(new.as_dict())
+        old_values, new_values = flatten(self.as_dict()), flatten(new.as_dict())
         changed = sorted(name for name in old_values if old_values[name] != new_values[name])
         applied = [name for name in changed if is_reloadable(name)]
         return applied, [name for name in changed if not is_reloadable(name)]
@@ -354,18 +322,22 @@ def _parse_text(text: str, hint: type) -> Any:
 
 def _build(merged: dict) -> Settings:
     engine, kv = dict(merged.get("engine", {})), KVSettings(**merged.get("kv", {}))
-    misplaced = sorted(k for k in engine if k in KV_IN_ENGINE)
+    misplaced = sorted(k for k in engine if k in LOADED_INTO_ENGINE)
     if misplaced:
-        raise ConfigError(f"{', '.join('engine.' + k for k in misplaced)}: set these in [kv]")
-    engine.update(cold_tier_mb=kv.cold_tier_mb, cold_tier_dir=kv.cold_tier_dir)
+        raise ConfigError(f"{', '.join('engine.' + k for k in misplaced)}: set these in [kv], [scheduler] "
+                          "and server.queue_max_*")
+    server = ServerSettings(**merged.get("server", {}))
+    scheduler = SchedulerPolicy.from_dict(merged.get("scheduler", {}))
+    policy = Policy(scheduler, server.queue_max_requests, server.queue_max_prompt_tokens)
+    engine.update(cold_tier_mb=kv.cold_tier_mb, cold_tier_dir=kv.cold_tier_dir, policy=policy)
     return Settings(
         engine=O3Config.from_dict(engine),
         kv=kv,
-        server=ServerSettings(**merged.get("server", {})),
+        server=server,
         power=PowerSettings(**merged.get("power", {})),
         metrics=MetricsSettings(**merged.get("metrics", {})),
         log=LogSettings(**merged.get("log", {})),
-        scheduler=SchedulerSettings.from_dict(merged.get("scheduler", {})),
+        scheduler=scheduler,
         http=HttpSettings(**merged.get("http", {})),
         upstream=_upstream(merged.get("upstream", {})),
     )
@@ -432,11 +404,12 @@ def _drop_none(table: dict) -> dict:
     return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in table.items() if v is not None}
 
 
-def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+    """{"classes": {"low": {"running": 0}}} -> {"classes.low.running": 0} (an empty table stays a value)."""
     flat = {}
     for key, value in table.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

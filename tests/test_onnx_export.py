@@ -6,7 +6,9 @@ import os
 
 import pytest
 
-ort = pytest.importorskip("onnxruntime")
+from tests.helpers import require
+
+ort = require("onnxruntime")
 
 from o3edge.build_cli import main as o3edge_main  # noqa: E402
 from o3edge.export.onnx_export import check_onnx, export_onnx, load_torch_engine  # noqa: E402
@@ -52,7 +54,7 @@ def test_export_command_stores_the_table_and_inspect_shows_it(tiny_dir, tmp_path
 
 
 def test_int4_export_uses_matmulnbits_and_agrees_with_torch_int4(tmp_path):
-    onnx = pytest.importorskip("onnx")
+    onnx = require("onnx")
     src = SHIPPED_MODEL
     manifest = export_onnx(src, str(tmp_path), int4_group=32)
     ops = {n.op_type for n in onnx.load(str(tmp_path / "model.onnx")).graph.node}

@@ -11,6 +11,7 @@ import torch
 from o3edge import O3Config, O3Model
 from o3edge.engine.sequence import SamplingParams
 from o3edge.model_path import SHIPPED_MODEL, resolve_model_path
+from tests.helpers import require
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The json module"
@@ -37,7 +38,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def hf():
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     return transformers.AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, dtype=torch.float32).eval()
 
 

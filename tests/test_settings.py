@@ -8,7 +8,8 @@ import pytest
 from o3edge import settings as settings_module
 from o3edge.config import O3Config
 from o3edge.errors import ConfigError
-from o3edge.settings import ClassLimits, Settings, is_reloadable, load_settings
+from o3edge.policy import ClassLimits
+from o3edge.settings import Settings, is_reloadable, load_settings
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "systemd" / "o3edge.toml"
 
@@ -180,7 +181,8 @@ def test_reloaded_takes_only_what_a_sighup_applies():
                                    "scheduler.critical.max_concurrent": 2})
     running = old.reloaded(new)
     assert running.log.level == "error" and running.scheduler.critical.max_concurrent == 2
-    assert running.engine == old.engine
+    assert running.engine.policy.classes.critical.max_concurrent == 2  # the engine serves by the new classes
+    assert running.engine == dataclasses.replace(old.engine, policy=running.engine.policy)  # and nothing else
     applied, needs_restart = running.reloadable_diff(new)
     assert applied == [] and needs_restart == ["engine.device"]
 

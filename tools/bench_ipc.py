@@ -37,8 +37,8 @@ import msgpack  # noqa: E402
 import zmq  # noqa: E402
 
 from o3edge.ipc.client import DaemonUnavailable, O3Client, TokenEvent  # noqa: E402
+from tools.daemon_process import REPO, DaemonProcess  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "def parse_arguments(argv):\n    "
 STEP_S = 0.0002
 
@@ -54,7 +54,7 @@ class NullEngine:
                                     args=SimpleNamespace(family="null", vocab_size=1000), num_kv_blocks=1,
                                     kv_block_size=16, kv_cache_bytes=0, max_model_len=1 << 20, load_seconds=0.0,
                                     cache_identity="0" * 32)
-        self.tokenizer = SimpleNamespace(chat_template=None)
+        self.tokenizer = SimpleNamespace(chat_template=None, encode_request=self.encode)
 
     def encode(self, prompt=None, messages=None):
         return [1, 2, 3]
@@ -107,8 +107,11 @@ def serve_null(endpoint: str, http_port: int) -> None:
     doors.close()
 
 
-def start(cmd: list[str], endpoint: str, env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.DEVNULL, env=env)
+def start_null_server(endpoint: str, http_port: int) -> subprocess.Popen:
+    """The null-engine server (HTTP door on http_port) in a child process (o3edged itself runs through
+    tools/daemon_process.py)."""
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-null", endpoint, "--http-port", str(http_port)],
+                            cwd=REPO, stderr=subprocess.DEVNULL)
     end = time.monotonic() + 120
     while time.monotonic() < end:
         try:
@@ -277,7 +280,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="o3bench") as tmp:
         null_ep, null_port = f"ipc://{tmp}/null.sock", free_port()
-        proc = start([sys.executable, __file__, "--serve-null", null_ep, "--http-port", str(null_port)], null_ep)
+        proc = start_null_server(null_ep, null_port)
         try:
             h = bench_health(null_ep, args.health)
             t = bench_null_stream(null_ep, proc.pid, args.null_tokens)
@@ -297,24 +300,21 @@ def main() -> None:
                  ("HTTP door: CPU per streamed token: daemon / client",
                   f"{th['daemon_cpu_us']:.0f} / {th['client_cpu_us']:.0f} µs")]
 
-        config = os.path.join(tmp, "o3.toml")
-        endpoint, port = f"ipc://{tmp}/o3.sock", free_port()
-        with open(config, "w") as fh:
-            fh.write(f'[engine]\nmodel_path = "{model_dir}"\ndevice = "cpu"\nnum_kv_blocks = 256\n'
-                     f'[server]\nendpoint = "{endpoint}"\n[http]\nenabled = true\nlisten = "127.0.0.1:{port}"\n')
         torch.set_num_threads(args.threads)
         model = O3Model.from_config(O3Config(model_path=model_dir, device="cpu", num_kv_blocks=256))
-        proc = start([sys.executable, "-m", "o3edge.daemon", "--config", config, "--log-level", "warning"], endpoint,
-                     env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+        port = free_port()
+        daemon = DaemonProcess(tmp, model_dir, "o3.sock", {"engine": {"num_kv_blocks": 256},
+                                                           "http": {"enabled": True, "listen": f"127.0.0.1:{port}"}},
+                               env={"OMP_NUM_THREADS": str(args.threads)}, args=("--log-level", "warning"))
         local, remote, over_http = [], [], []
         try:
+            daemon.start().wait_ready(120)
             for _ in range(args.repeats):  # interleaved, so load from other processes hits all alike
                 local.append(inprocess_decode(model, args.tokens))
-                remote.append(socket_decode(endpoint, args.tokens))
+                remote.append(socket_decode(daemon.endpoint, args.tokens))
                 over_http.append(http_decode(port, args.tokens))
         finally:
-            proc.terminate()
-            proc.wait()
+            daemon.stop()
         lo, ro, ho = statistics.median(local), statistics.median(remote), statistics.median(over_http)
         rows += [(f"decode, in-process O3Model.stream ({os.path.basename(model_dir)}, {args.threads} thread(s), "
                   f"median of {args.repeats})", f"{lo * 1e3:.2f} ms/token"),

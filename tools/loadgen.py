@@ -30,8 +30,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,11 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from o3edge.ipc import protocol as P  # noqa: E402
 from o3edge.ipc.aio import AsyncO3Client  # noqa: E402
-from o3edge.ipc.client import DaemonUnavailable, O3Client, RequestError, TokenEvent  # noqa: E402
+from o3edge.ipc.client import DaemonUnavailable, RequestError, TokenEvent  # noqa: E402
+from tools.daemon_process import DaemonProcess  # noqa: E402
 from tools.loadgen_report import (CLASSES, Record, markdown_table, plot, print_table, table_rows,  # noqa: E402
                                   write_json)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("def class return import self value list dict parse config token model cache block queue "
          "request stream error result default module function argument buffer thread socket engine "
          "batch step prefill decode latency budget deadline priority window memory device").split()
@@ -160,56 +158,16 @@ async def run(args: argparse.Namespace) -> dict:
 
 # ---- a daemon of our own -----------------------------------------------------------------------
 
-class SpawnedDaemon:
-    """o3edged on a temporary ipc:// endpoint with a generated config; stopped with SIGTERM."""
-
-    def __init__(self, args: argparse.Namespace):
-        self.dir = tempfile.mkdtemp(prefix="o3edge-loadgen-")
-        self.endpoint = f"ipc://{self.dir}/o3edge.sock"
-        tables = {"engine": {"model_path": os.path.abspath(args.model), "device": args.device},
-                  "server": {"endpoint": self.endpoint, "max_inflight_per_client": 1024, "drain_timeout_s": 5.0}}
-        for key, value in args.set:
-            section, _, name = key.rpartition(".")
-            tables.setdefault(section, {})[name] = value
-        self.config = os.path.join(self.dir, "o3edge.toml")
-        with open(self.config, "w") as fh:
-            for section, values in tables.items():
-                fh.write(f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("O3EDGE_")}
-        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-        if args.threads:
-            env["OMP_NUM_THREADS"] = str(args.threads)
-        self.log_path = os.path.join(self.dir, "o3edged.log")
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "o3edge.daemon", "--config", self.config], cwd=REPO,
-                                     env=env, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and self.proc.poll() is None:
-            try:
-                with O3Client(self.endpoint, timeout=2.0) as c:
-                    if c.health()["ready"]:
-                        return
-            except DaemonUnavailable:
-                pass
-            time.sleep(0.1)
-        raise SystemExit(f"o3edged did not become ready:\n{self.log()}")
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as fh:
-            return fh.read()[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+def spawn_daemon(args: argparse.Namespace) -> tuple[DaemonProcess, str]:
+    """o3edged on a temporary ipc:// endpoint with the model, device and --set values given."""
+    directory = tempfile.mkdtemp(prefix="o3edge-loadgen-")
+    tables = {"engine": {"model_path": os.path.abspath(args.model), "device": args.device},
+              "server": {"max_inflight_per_client": 1024}}
+    for key, value in args.set:
+        section, _, name = key.rpartition(".")
+        tables.setdefault(section, {})[name] = value
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    return DaemonProcess(directory, args.model, "o3edge.sock", tables, env).start(), directory
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -307,19 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     daemon = None
     if args.spawn_daemon:
         started = time.monotonic()
-        daemon = SpawnedDaemon(args)
+        daemon, directory = spawn_daemon(args)
         args.endpoint = daemon.endpoint
     else:
         args.endpoint = args.endpoint or os.environ.get("O3EDGE_ENDPOINT") or P.DEFAULT_ENDPOINT
     check_loopback(args.endpoint)
     try:
         if daemon:
-            daemon.wait_ready(120)
+            try:
+                daemon.wait_ready(120)
+            except AssertionError as exc:
+                raise SystemExit(str(exc)[-4000:]) from None
             log(f"spawned o3edged ready in {time.monotonic() - started:.1f} s on {args.endpoint}")
         result = asyncio.run(run(args))
     finally:
         if daemon:
-            daemon.stop()
+            daemon.stop(timeout=30)
+            shutil.rmtree(directory, ignore_errors=True)
     rows = table_rows(result, args)
     info = result["info"]
     title = f"o3edged {info.get('model')} ({info.get('dtype')}, {info.get('device')}): load ramp"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -15,13 +16,15 @@ from o3edge.engine.cold_tier import model_identity, open_cold_tier
 from o3edge.engine.cpu_decode import default_num_threads
 from o3edge.engine.cpu_quant import int8_tag
 from o3edge.engine.engine_dir import built_dtype
+from o3edge.engine.faults import MAX_FAILED_STEPS, is_fatal, recover
 from o3edge.engine.loader import load_model
 from o3edge.engine.quant import int4_tag
 from o3edge.engine.runner import ModelRunner
 from o3edge.engine.scheduler import Scheduler
 from o3edge.engine.sequence import Priority, SamplingParams, Sequence
 from o3edge.engine.tokenizer import Detokenizer, Tokenizer
-from o3edge.errors import InvalidRequest, OutOfCapacity, PromptTooLong
+from o3edge.errors import EngineFailed, InvalidRequest, OutOfCapacity, PromptTooLong
+from o3edge.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     num_cold_tokens: int = 0  # of the cached tokens, those copied in from the cold tier
+    error: str | None = None  # finish_reason "error": what failed (this request only; the others go on)
 
 
 @dataclass
@@ -68,20 +72,6 @@ class StepReport:
     t_start_ns: int
     t_end_ns: int
     tokens: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (prompt, generated)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(p for p, _ in self.tokens.values())
-
-    @property
-    def num_decode_tokens(self) -> int:
-        """Tokens generated in the step."""
-        return sum(d for _, d in self.tokens.values())
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens run through the model: prompt chunks, plus one for each decoding sequence."""
-        return sum(p or d for p, d in self.tokens.values())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -143,7 +133,8 @@ class LLMEngine:
         identity = fp if onnx else model_identity(model_dir, fp, layout, weight_files(model_dir))
         self.blocks = BlockManager(num_blocks, config.kv_block_size, identity, prefix_reuse)
         self.offloader = self._cold_tier(config, identity, block_bytes) if prefix_reuse else None
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.policy = config.policy  # replaced whole by set_policy (a reload)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.policy)
         self.scheduler.set_window(config.batch_window_ms, config.min_batch_size)
         eos = args.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(self.tokenizer.eos_token)] if t is not None)
         self.info = RuntimeInfo(model_dir, str(device), str(dtype).removeprefix("torch."), args, fp, num_blocks,
@@ -152,6 +143,10 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, Detokenizer] = {}
         self.num_generated_tokens = 0
+        self.num_failed_steps = 0  # in a row; MAX_FAILED_STEPS of them end the engine
+        # Test-only: called with each sequence before its new token is taken in; what it raises fails
+        # that request alone, as any error of a request's own work does. None outside tests.
+        self.fault_hook: Callable[[Sequence], None] | None = None
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
                  model_dir, device, self.info.dtype, num_blocks, config.kv_block_size,
                  self.info.kv_cache_bytes / 2**20, max_len)
@@ -190,14 +185,15 @@ class LLMEngine:
             self.offloader.close()
             self.offloader = None
 
+    def set_policy(self, policy: Policy) -> None:
+        """Serve by new classes, queue bounds and request limits from now on (a reload)."""
+        self.policy = policy
+        self.scheduler.set_policy(policy)
+
     # ---- requests --------------------------------------------------------------------------
     def encode(self, prompt: str | None = None, messages: list | None = None) -> list[int]:
         """Token ids for a plain prompt or a chat."""
-        if messages is not None:
-            return self.tokenizer.encode_chat(messages)
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidRequest("a non-empty prompt or messages is required")
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode_request(prompt, messages)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: Priority = Priority.NORMAL, deadline: float | None = None) -> Sequence:
@@ -205,6 +201,7 @@ class LLMEngine:
         if request_id in self.seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids)
+        self.policy.requests.check(params.max_new_tokens, params.temperature, params.top_k, params.stop)
         seq = Sequence(request_id, list(prompt_token_ids), params, Priority(priority), deadline)
         self.scheduler.add(seq)  # raises Busy when the queue is full or the class is shedding load
         self.seqs[request_id] = seq
@@ -264,7 +261,11 @@ class LLMEngine:
         for seq, _ in batch:
             if seq.cold_pending:
                 self.blocks.restored(seq, self._restore(seq))
-        tokens = self.runner.run(batch)
+        try:
+            tokens = self.runner.run(batch)
+        except Exception as exc:
+            return outputs + self._step_failed(batch, exc), None
+        self.num_failed_steps = 0
         report = StepReport(t0, time.monotonic_ns())
         now = time.monotonic()
         for (seq, n), token in zip(batch, tokens):
@@ -273,8 +274,37 @@ class LLMEngine:
             report.tokens[seq.request_id] = (0 if is_decode else n, 0 if token is None else 1)
             self.blocks.mark_computed(seq, n)
             if token is not None:
-                outputs.append(self._append(seq, token, now))
+                outputs.append(self._take_token(seq, token, now))
         return outputs, report
+
+    def _step_failed(self, batch: list[tuple[Sequence, int]], exc: Exception) -> list[RequestOutput]:
+        """The model run failed: end this step's requests (the waiting ones go on), or the engine when the
+        device is lost or the failures keep coming (EngineFailed)."""
+        self.num_failed_steps += 1
+        if is_fatal(exc) or self.num_failed_steps >= MAX_FAILED_STEPS:
+            raise EngineFailed(f"the engine cannot go on ({self.num_failed_steps} failing step(s) in a row): "
+                               f"{type(exc).__name__}: {exc}") from exc
+        log.error("engine step failed; ending its %d requests", len(batch), exc_info=exc)
+        outputs = [self._failed(seq, exc) for seq, _ in batch]
+        recover(exc)
+        return outputs
+
+    def _take_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        """Append a sampled token; an error in this request's own work (detokenizing, stop checks) ends
+        this request alone."""
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(seq)
+            return self._append(seq, token, now)
+        except Exception as exc:
+            log.error("request %s failed", seq.request_id, exc_info=exc)
+            return self._failed(seq, exc)
+
+    def _failed(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        self.abort(seq.request_id, "error")
+        return RequestOutput(seq.request_id, [], "", True, "error", seq.num_prompt_tokens, seq.num_output_tokens,
+                             seq.num_cached_tokens, seq.arrival_time, seq.first_token_time, seq.num_cold_tokens,
+                             error=f"{type(exc).__name__}: {exc}"[:200])
 
     def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.token_ids.append(token)

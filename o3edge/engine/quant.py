@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from o3edge.config import INT4_GROUP_SIZES as GROUP_SIZES
+
 log = logging.getLogger(__name__)
 
 SCHEME = "int4-asym-groupwise"
-GROUP_SIZES = (32, 64, 128, 256)
 FFN_MODULES = ("mlp.gate_up", "mlp.down")
 INNER_K_TILES = 8  # CUDA: 8 k-tiles of 16 per 16-byte load, so K must be a multiple of 128
 _CUDA_K_MULTIPLE = INNER_K_TILES * 16

@@ -18,31 +18,12 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from dataclasses import dataclass
 
 from o3edge.engine.block_manager import BlockManager
 from o3edge.engine.breaker import OPEN, Breaker
 from o3edge.engine.sequence import Priority, Sequence, SequenceStatus
 from o3edge.errors import Busy
-
-
-@dataclass(frozen=True)
-class ClassPolicy:
-    """One priority class: its queue-wait budget, concurrent sequences, and breaker."""
-
-    max_wait_ms: int
-    max_concurrent: int
-    breaker_threshold: int
-    breaker_cooldown_ms: int = 5000
-
-
-# the article's table; `low` is ours: long waits tolerated, breaker slow to trip
-DEFAULT_POLICY = {
-    Priority.CRITICAL: ClassPolicy(50, 8, 3),
-    Priority.HIGH: ClassPolicy(200, 16, 5),
-    Priority.NORMAL: ClassPolicy(1000, 32, 10),
-    Priority.LOW: ClassPolicy(5000, 32, 20),
-}
+from o3edge.policy import Policy
 
 
 BACKGROUND_SHARE = 8  # a less important prefill gets 1/8 of a step's tokens while more important work is on
@@ -54,8 +35,7 @@ def _key(seq: Sequence):
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: dict | None = None, max_queue_requests: int = 1 << 30,
-                 max_queue_prompt_tokens: int = 1 << 62, clock=time.monotonic):
+                 policy: Policy | None = None, clock=time.monotonic):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
@@ -65,17 +45,18 @@ class Scheduler:
         self.expired: list[Sequence] = []  # ended here (deadline, displaced) since the engine last looked
         self.num_preemptions = 0
         self.set_window(0, 1)
-        self.set_limits(policy or DEFAULT_POLICY, max_queue_requests, max_queue_prompt_tokens)
+        self.set_policy(policy or Policy())
 
-    def set_limits(self, policy: dict, max_queue_requests: int, max_queue_prompt_tokens: int) -> None:
-        """Apply (or re-apply, on reload) class policies and queue bounds; breaker states persist."""
-        self.policy = {Priority(k): v for k, v in policy.items()}
+    def set_policy(self, policy: Policy) -> None:
+        """Apply (or re-apply, on reload) class limits and queue bounds; breaker states persist."""
+        self.policy = {p: policy.classes.of(p) for p in Priority}
         old = getattr(self, "breakers", {})
         self.breakers = {p: old.get(p) or Breaker(v.breaker_threshold, v.breaker_cooldown_ms / 1000)
                          for p, v in self.policy.items()}
         for p, b in self.breakers.items():
             b.threshold, b.cooldown_s = self.policy[p].breaker_threshold, self.policy[p].breaker_cooldown_ms / 1000
-        self.max_queue_requests, self.max_queue_prompt_tokens = max_queue_requests, max_queue_prompt_tokens
+        self.max_queue_requests = policy.queue_max_requests
+        self.max_queue_prompt_tokens = policy.queue_max_prompt_tokens
 
     # ---- admission to the queue ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

@@ -25,18 +25,19 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= 1 << 20:
-            raise InvalidRequest(f"max_new_tokens must be an integer in [1, 1048576], got {self.max_new_tokens!r}")
-        if not _finite(self.temperature) or not 0 <= self.temperature <= 100:
-            raise InvalidRequest(f"temperature must be a finite number in [0, 100], got {self.temperature!r}")
+        # what any request must be; how much one may ask for is policy (o3edge.policy.RequestLimits)
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= 1 << 20:
+        if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 63):
             raise InvalidRequest(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
-        if len(self.stop) > 16 or any(not isinstance(s, str) or not s or len(s) > 256 for s in self.stop):
-            raise InvalidRequest("stop must be at most 16 non-empty strings of at most 256 characters")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty strings")
 
     @property
     def greedy(self) -> bool:
@@ -96,17 +97,9 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED

@@ -1,13 +1,20 @@
 """The one compute loop: loads the engine, admits and aborts jobs, steps, and emits replies.
 
-It runs on its own thread and is the only code that touches the LLMEngine. The I/O thread hands
-it commands over a queue (the loop blocks on that queue while idle, waking at least every
-`idle_wake_s` so a watchdog hook keeps ticking). Replies collect in `outbox` and are handed to
+It runs on its own thread, the engine's only owner: no other thread calls the LLMEngine or reads its
+state. Other threads read the immutable EngineView it publishes once the engine is warm (the
+tokenizer's encode, the model's facts) and the `snapshot` of figures it replaces whole after each
+iteration; energy settles on the sampler's thread (on_finish only takes what is settled, never
+waiting for it). The I/O thread hands it commands over a queue (the loop blocks on that queue
+while idle, waking at least every `idle_wake_s` so a watchdog hook keeps ticking). Replies collect in `outbox` and are handed to
 `deliver()` once per iteration; the server sends them from this thread under its socket lock.
 Waking the I/O thread for every token instead cost 0.5-0.8 ms per token on a 2-core machine:
 each wake-up and each GIL hand-off between the two threads waits for the scheduler.
 Hooks let the daemon add the systemd watchdog (`on_loop`) and energy accounting (`on_step`,
 `on_finish`) without this file knowing either.
+
+A step's failure ends only the requests it names (the engine reports them with finish reason
+"error"); EngineFailed (a lost device, out of memory that does not recover) fails every job and sets
+`failed`, and so do MAX_STEP_FAILURES steps in a row failing outside the model run (a bug).
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from o3edge.engine.sequence import Priority, SamplingParams
-from o3edge.errors import O3Error
+from o3edge.errors import EngineFailed, O3Error
 from o3edge.ipc import protocol as P
+from o3edge.ipc.engine_view import EngineView, view_of
 
 if TYPE_CHECKING:  # the engine (and torch) is imported by the loader, on the engine thread
     from o3edge.engine.engine import LLMEngine, RequestOutput, StepReport
@@ -30,7 +38,7 @@ if TYPE_CHECKING:  # the engine (and torch) is imported by the loader, on the en
 log = logging.getLogger(__name__)
 
 TOKEN, END = b"T", b"E"  # outbox entry kind: more replies follow for this job / this is its last reply
-MAX_STEP_FAILURES = 3  # consecutive failing steps before the engine is declared dead
+MAX_STEP_FAILURES = 3  # consecutive steps failing outside the model run before the engine is declared dead
 RATE_WINDOW_S = 10.0
 
 
@@ -86,7 +94,8 @@ class EngineLoop:
         self.state = "loading"  # -> ready -> stopped, or failed
         self.ready = threading.Event()
         self.error: BaseException | None = None
-        self.engine: "LLMEngine | None" = None
+        self._engine: "LLMEngine | None" = None  # this thread's alone; other threads read `view`
+        self.view: EngineView | None = None  # published once the engine is warm (immutable)
         self.snapshot: dict = {}  # engine figures for `stats`, replaced whole after each iteration
         self.counts = {"finished": 0, "failed": 0, "aborted": 0}
         self._jobs: dict[str, Job] = {}
@@ -125,9 +134,10 @@ class EngineLoop:
     def _start(self) -> bool:
         try:
             self._hook("on_phase", "loading")
-            self.engine = self._load()
+            self._engine = self._load()
             self._hook("on_phase", "warming_up")
             self._warm_up()
+            self.view = view_of(self._engine)
         except BaseException as exc:  # a broken model must end the daemon with a clear log line
             log.error("engine failed to load: %s", exc, exc_info=not isinstance(exc, O3Error))
             self.error, self.state = exc, "failed"
@@ -140,7 +150,7 @@ class EngineLoop:
 
     def _close_engine(self) -> None:
         """Let the engine finish its background copies (the KV cold tier's) before the process ends."""
-        close = getattr(self.engine, "close", None)
+        close = getattr(self._engine, "close", None)
         if close is not None:
             try:
                 close()
@@ -149,7 +159,7 @@ class EngineLoop:
 
     def _warm_up(self) -> None:
         """One short generation so first-request costs (allocations, kernels) are paid before ready."""
-        engine = self.engine
+        engine = self._engine
         engine.add_request("warm-up", engine.encode("Hello, world.")[:8] or [0],
                            SamplingParams(max_new_tokens=2, ignore_eos=True))
         while engine.has_unfinished_requests():
@@ -158,11 +168,11 @@ class EngineLoop:
     def _serve(self) -> None:
         while self.state == "ready":
             self._hook("on_loop")
-            busy = self.engine.has_unfinished_requests()
+            busy = self._engine.has_unfinished_requests()
             self._take_commands(block=not busy)
             if self.state != "ready":
                 break
-            if self.engine.has_unfinished_requests():
+            if self._engine.has_unfinished_requests():
                 self._step()
             self._publish()  # before the replies go out: a client that reads `done` then asks for
             self._flush()    # stats sees the blocks of that request freed
@@ -183,7 +193,7 @@ class EngineLoop:
             self._abort(*cmd[1:])
         elif cmd[0] == "call":
             try:
-                cmd[1](self.engine)
+                cmd[1](self._engine)
             except Exception:
                 log.exception("engine call failed")
         elif cmd[0] == "stop":
@@ -197,7 +207,7 @@ class EngineLoop:
         try:
             params = SamplingParams(max_new_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
                                     top_k=r.top_k, seed=r.seed, stop=r.stop, ignore_eos=r.ignore_eos)
-            self.engine.add_request(job.rid, job.prompt_ids, params, Priority[r.priority.upper()], job.deadline)
+            self._engine.add_request(job.rid, job.prompt_ids, params, Priority[r.priority.upper()], job.deadline)
         except O3Error as exc:
             self._end(job, P.error(r.id, exc.code, exc.message), exc.code)
             return
@@ -209,7 +219,7 @@ class EngineLoop:
 
     def _abort(self, rid: str, code: str | None, message: str) -> None:
         job = self._jobs.pop(rid, None)
-        self.engine.abort(rid)
+        self._engine.abort(rid)
         if job is None:
             return
         self.counts["aborted"] += 1
@@ -220,8 +230,14 @@ class EngineLoop:
     # ---- stepping ---------------------------------------------------------------------------
     def _step(self) -> None:
         try:
-            outputs, report = self.engine.step()
-        except Exception:
+            outputs, report = self._engine.step()
+        except EngineFailed as exc:  # the device is lost: nothing more can run
+            log.error("%s; failing %d requests", exc, len(self._jobs), exc_info=exc.__cause__)
+            for rid in list(self._jobs):
+                self._abort(rid, P.UNAVAILABLE, "the engine failed (its device) while running this request")
+            self.error, self.state = exc, "failed"
+            return
+        except Exception:  # a bug outside the model run and the requests' own work: the engine's books may be off
             self._step_failed()
             return
         self._failures = 0
@@ -256,6 +272,10 @@ class EngineLoop:
         r = job.request
         if out.finish_reason == "deadline_exceeded":  # the scheduler cut it (queued or running)
             return self._expired(job, out)
+        if out.finish_reason == "error":  # this request failed in the step; the others go on
+            del self._jobs[job.rid]
+            return self._end(job, P.error(r.id, P.INTERNAL, "the engine failed while running this request"),
+                             P.INTERNAL)
         if out.finish_reason == P.BUSY:  # displaced from a full queue, never ran
             del self._jobs[job.rid]
             return self._end(job, P.error(r.id, P.BUSY, "the queue is full: a more important request took "
@@ -315,7 +335,7 @@ class EngineLoop:
         while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
             self._rate_sum -= self._rate.popleft()[1]
         rate = self._rate_sum / max(now - self._rate[0][0], 1.0) if self._rate else 0.0
-        self.snapshot = {**self.engine.stats(), "tokens_per_s": round(rate, 2), "jobs": len(self._jobs),
+        self.snapshot = {**self._engine.stats(), "tokens_per_s": round(rate, 2), "jobs": len(self._jobs),
                          **self.counts}
 
     def _hook(self, name: str, *args):

@@ -16,9 +16,11 @@ import threading
 from collections import OrderedDict, deque
 from typing import Callable
 
+from o3edge.policy import CLASSES
+
 log = logging.getLogger(__name__)
 
-PRIORITY_RANK = {"critical": 0, "high": 1, "normal": 2, "low": 3}
+PRIORITY_RANK = {name: rank for rank, name in enumerate(CLASSES)}
 
 
 class Lane:

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import msgpack
 
 from o3edge.errors import O3Error
+from o3edge.policy import CLASSES, RequestLimits
 
 PROTOCOL_VERSION = 1
 DEFAULT_ENDPOINT = "ipc:///run/o3edge/o3edge.sock"
 OPS = ("generate", "cancel", "health", "stats", "info")
-PRIORITIES = ("critical", "high", "normal", "low")
+PRIORITIES = CLASSES
 
 # Error codes (stable; clients branch on them).
 INVALID_REQUEST = "invalid_request"
@@ -35,16 +36,12 @@ OUT_OF_CAPACITY = "out_of_capacity"
 ERROR_CODES = (INVALID_REQUEST, BAD_MESSAGE, UNSUPPORTED_VERSION, UNKNOWN_OP, PROMPT_TOO_LONG, BUSY,
                UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, TOO_MANY_REQUESTS, INTERNAL, OUT_OF_CAPACITY)
 
-# Limits on what a client may send (the frame size itself is server.max_message_bytes).
+# Limits on what a client may send (the frame size itself is server.max_message_bytes; how much one
+# request may ask for is the engine's policy, o3edge.policy.RequestLimits, passed to parse()).
 MAX_FRAMES = 8  # a message with more frames than this gets its peer dropped
 MAX_ID_CHARS = 64
 MAX_MESSAGES = 256
 MAX_ROLE_CHARS = 32
-MAX_STOP = 16
-MAX_STOP_CHARS = 256
-MAX_TOKENS = 1 << 20
-MAX_TOP_K = 1 << 20
-MAX_TEMPERATURE = 100.0
 MAX_DEADLINE_MS = 86_400_000
 MAX_ARRAY_LEN = 1024
 MAX_MAP_LEN = 64
@@ -152,7 +149,8 @@ def decode(frame: bytes, max_bytes: int) -> object:
         raise ProtocolError(BAD_MESSAGE, f"undecodable msgpack: {detail}") from None
 
 
-def parse(frame: bytes, max_bytes: int) -> Request | CancelRequest | GenerateRequest:
+def parse(frame: bytes, max_bytes: int, limits: RequestLimits = RequestLimits()
+          ) -> Request | CancelRequest | GenerateRequest:
     """Decode and validate one request frame into a typed request, or raise ProtocolError."""
     return validate(decode(frame, max_bytes))
 
@@ -164,13 +162,13 @@ def validate(msg: object) -> Request | CancelRequest | GenerateRequest:
     rid = msg.get("id")
     rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_CHARS else None
     try:
-        return _validate(msg, rid)
+        return _validate(msg, rid, limits)
     except ProtocolError as exc:
         exc.request_id = rid
         raise
 
 
-def _validate(msg: dict, rid: str | None):
+def _validate(msg: dict, rid: str | None, limits: RequestLimits):
     version = msg.get("v")
     if not _is_int(version):
         raise ProtocolError(INVALID_REQUEST, "'v' (the protocol version, an integer) is required")
@@ -188,7 +186,7 @@ def _validate(msg: dict, rid: str | None):
     if unknown:
         raise ProtocolError(INVALID_REQUEST, f"unknown field(s) for {op}: {', '.join(k[:40] for k in unknown)}")
     if op == "generate":
-        return _generate(msg, rid)
+        return _generate(msg, rid, limits)
     if op == "cancel":
         target = msg.get("target")
         if not isinstance(target, str) or not 0 < len(target) <= MAX_ID_CHARS:
@@ -197,7 +195,7 @@ def _validate(msg: dict, rid: str | None):
     return Request(op, rid)
 
 
-def _generate(msg: dict, rid: str) -> GenerateRequest:
+def _generate(msg: dict, rid: str, limits: RequestLimits) -> GenerateRequest:
     prompt, messages = msg.get("prompt"), msg.get("messages")
     if (prompt is None) == (messages is None):
         raise ProtocolError(INVALID_REQUEST, "generate needs exactly one of 'prompt' or 'messages'")
@@ -205,12 +203,12 @@ def _generate(msg: dict, rid: str) -> GenerateRequest:
         raise ProtocolError(INVALID_REQUEST, "'prompt' must be a non-empty string")
     return GenerateRequest(
         id=rid, prompt=prompt, messages=None if messages is None else _messages(messages),
-        max_tokens=_int(msg, "max_tokens", 128, 1, MAX_TOKENS),
-        temperature=_number(msg, "temperature", 0.0, 0.0, MAX_TEMPERATURE),
+        max_tokens=_int(msg, "max_tokens", 128, 1, limits.max_new_tokens),
+        temperature=_number(msg, "temperature", 0.0, 0.0, limits.max_temperature),
         top_p=_number(msg, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=_int(msg, "top_k", 0, 0, MAX_TOP_K),
+        top_k=_int(msg, "top_k", 0, 0, limits.max_top_k),
         seed=_int(msg, "seed", None, 0, (1 << 63) - 1),
-        stop=_stop(msg.get("stop")),
+        stop=_stop(msg.get("stop"), limits),
         priority=_choice(msg, "priority", "normal", PRIORITIES),
         deadline_ms=_int(msg, "deadline_ms", None, 1, MAX_DEADLINE_MS),
         stream=_bool(msg, "stream", True),
@@ -232,14 +230,14 @@ def _messages(value) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def _stop(value) -> tuple[str, ...]:
+def _stop(value, limits: RequestLimits) -> tuple[str, ...]:
     if value is None:
         return ()
-    ok = isinstance(value, list) and len(value) <= MAX_STOP and all(
-        isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in value)
+    ok = isinstance(value, list) and len(value) <= limits.max_stop and all(
+        isinstance(s, str) and 0 < len(s) <= limits.max_stop_chars for s in value)
     if not ok:
-        raise ProtocolError(INVALID_REQUEST, f"'stop' must be an array of at most {MAX_STOP} non-empty strings "
-                                             f"of at most {MAX_STOP_CHARS} characters")
+        raise ProtocolError(INVALID_REQUEST, f"'stop' must be an array of at most {limits.max_stop} non-empty "
+                                             f"strings of at most {limits.max_stop_chars} characters")
     return tuple(value)
 
 

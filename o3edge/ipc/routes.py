@@ -1,6 +1,7 @@
 """Who waits for what: generate requests in flight per client connection, and banned connections.
 
-Plain bookkeeping for the server (no sockets); the server guards it with its socket lock.
+Plain bookkeeping for the server (no sockets); the server guards it with its socket lock: every
+method that changes it (is_banned too: it forgets an expired ban) runs under that lock.
 """
 
 from __future__ import annotations

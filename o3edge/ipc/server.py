@@ -43,10 +43,11 @@ from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
 from o3edge.ipc.intake import Lane
 from o3edge.ipc.routes import Routes
 from o3edge.memory import Trimmer
+from o3edge.policy import RequestLimits
 from o3edge.settings import ServerSettings
 
 if TYPE_CHECKING:
-    from o3edge.engine.engine import LLMEngine
+    from o3edge.engine.engine import LLMEngine  # built and owned by the engine loop's thread
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,9 @@ class IPCServer:
     """Serves one LLMEngine over ZeroMQ; see the module docstring for the lifecycle."""
 
     def __init__(self, settings: ServerSettings, load_engine: Callable[[], "LLMEngine"],
-                 hooks: Hooks | None = None, idle_wake_s: float = 1.0):
+                 hooks: Hooks | None = None, idle_wake_s: float = 1.0, limits: RequestLimits = RequestLimits()):
         self.settings = settings
+        self.limits = limits  # what one request may ask for: the engine's policy (O3Config.policy.requests)
         self.hooks = hooks or Hooks()
         self.ctx = zmq.Context()
         self.access = AccessControl(self.ctx, parse_uids(settings.allowed_uids), parse_gids(settings.allowed_groups),
@@ -101,7 +103,6 @@ class IPCServer:
         self._ids = itertools.count(1)
         self._tokenizing: set[str] = set()  # rids admitted, not yet handed to the engine loop (under lock)
         self._lanes = (Lane("o3edge-tokenize-short", self._encode), Lane("o3edge-tokenize-long", self._encode))
-        self._max_prompt_bytes: int | None = None
         self.about: dict = {}  # extra `info` fields from the daemon (the energy log's path)
         self.trimmer = Trimmer()  # gives memory back after large inputs, when the I/O thread idles
         self._owed: OrderedDict[bytes, tuple[float, list[bytes]]] = OrderedDict()  # final replies not yet sent
@@ -286,8 +287,9 @@ class IPCServer:
             self._reply(identity, P.error(None, P.INTERNAL, "internal error"))
 
     def _dispatch(self, identity: bytes, frames: list[bytes], count: int, now: float) -> None:
-        if self.routes.is_banned(identity, now):
-            return
+        with self.lock:  # is_banned forgets expired bans: the routing table changes only under the lock
+            if self.routes.is_banned(identity, now):
+                return
         if count > P.MAX_FRAMES:
             self.counts["bad_messages"] += 1
             with self.lock:
@@ -297,7 +299,7 @@ class IPCServer:
             self.counts["bad_messages"] += 1
             return self._reject(identity, None, P.BAD_MESSAGE, f"a request is exactly one frame, got {count}")
         try:
-            req = P.parse(frames[0], self.settings.max_message_bytes)
+            req = P.parse(frames[0], self.settings.max_message_bytes, self.limits)
         except P.ProtocolError as exc:
             self.counts["bad_messages"] += 1
             return self._reject(identity, exc.request_id, exc.code, exc.message)
@@ -313,11 +315,11 @@ class IPCServer:
             why = {"loading": "the engine is still loading; retry when health reports ready",
                    "draining": "the daemon is shutting down"}.get(self.state, f"the engine is {self.state}")
             return self._reject(identity, req.id, P.UNAVAILABLE, why)
-        size, limit = prompt_bytes(req, self.max_prompt_bytes), self.max_prompt_bytes
+        view = self.loop.view
+        size, limit = prompt_bytes(req, view.max_prompt_bytes), view.max_prompt_bytes
         if limit is not None and size > limit:
             return self._reject(identity, req.id, P.PROMPT_TOO_LONG, f"prompt has {size} bytes; a context window "
-                                f"of {self.loop.engine.info.max_model_len} tokens holds at most {limit} bytes of "
-                                "text for this model")
+                                f"of {view.max_model_len} tokens holds at most {limit} bytes of text for this model")
         with self.lock:
             problem = self._admission_problem(identity, req)
             route = self._route(req, problem)
@@ -397,22 +399,13 @@ class IPCServer:
             self._tokenizing.add(rid)
         self._lanes[1].put(flight.identity, req.priority, Pending(rid, flight.identity, req, received))
 
-    @property
-    def max_prompt_bytes(self) -> int | None:
-        """Prompt bytes past which no prompt can fit the context window (None: not known)."""
-        if self._max_prompt_bytes is None and self.loop.state == "ready":
-            engine = self.loop.engine
-            per_token = getattr(engine.tokenizer, "max_token_bytes", None)
-            self._max_prompt_bytes = engine.info.max_model_len * per_token() if per_token else 0
-        return self._max_prompt_bytes or None
-
     def _encode(self, p: Pending) -> None:
         """A lane's thread: tokenize, check the context window, hand the job to the engine loop."""
-        engine, req = self.loop.engine, p.request
+        view, req = self.loop.view, p.request
         try:
-            ids = engine.encode(req.prompt, list(req.messages) if req.messages else None)
-            if len(ids) >= engine.info.max_model_len:
-                raise O3Error(f"prompt has {len(ids)} tokens; the context window is {engine.info.max_model_len}",
+            ids = view.encode(req.prompt, list(req.messages) if req.messages else None)
+            if len(ids) >= view.max_model_len:
+                raise O3Error(f"prompt has {len(ids)} tokens; the context window is {view.max_model_len}",
                               P.PROMPT_TOO_LONG)
         except O3Error as exc:
             with self.lock:
@@ -439,8 +432,7 @@ class IPCServer:
                                          "per client")
         # The engine's scheduler bounds its waiting queue (and answers `busy` itself); this backstop
         # also bounds what is on its way there, with room for a full running batch.
-        limit = self.settings.queue_max_requests + getattr(getattr(self.loop.engine, "config", None),
-                                                           "max_num_seqs", 0)
+        limit = self.settings.queue_max_requests + self.loop.view.max_num_seqs
         if len(self.routes) - len(self._remote) >= limit:
             return P.BUSY, f"too many requests in flight ({limit}); retry later"
         return None

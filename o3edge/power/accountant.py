@@ -63,6 +63,11 @@ class EnergyAccountant:
 
     `report_step` is cheap and never raises (call it from the engine loop). Steps are settled once
     the sampler has read past their end (on the sampler thread), so figures lag by ~one period.
+
+    Two locks. `_lock` guards the pending steps and the per-request tallies and is held only to
+    append, pop or copy them, never while computing: it is the only one the engine thread takes
+    (report_step, finish without waiting). `_cond` serializes settling (the sampler thread, totals
+    on a `stats` or a scrape) and guards the totals; the engine thread never waits on it.
     """
 
     def __init__(self, sampler: EnergySampler, prefill_weight: float = DEFAULT_PREFILL_WEIGHT,
@@ -80,8 +85,8 @@ class EnergyAccountant:
         self._max_open = max_open_requests
         self._clock = clock
         self._pending: deque[_Step] = deque()
-        self._pending_lock = threading.Lock()  # held only to append/pop/copy, never while computing
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # pending steps, tallies, closed: held only to append/pop/copy
+        self._cond = threading.Condition()  # settling, totals, the idle cursor
         self._tallies: dict[str, _Tally] = {}
         self._closed: dict[str, int] = {}  # finished early: pending steps still naming them
         self._all = Sums()
@@ -104,7 +109,7 @@ class EnergyAccountant:
             if self._num_bad_reports == 1:
                 log.warning("ignored a malformed step report (%s): %r", exc, step)
             return
-        with self._pending_lock:
+        with self._lock:
             if len(self._pending) >= MAX_PENDING_STEPS:  # the sampler is stuck: keep memory bounded
                 self._pending.popleft()
                 self._num_dropped_steps += 1
@@ -125,14 +130,13 @@ class EnergyAccountant:
         now = self._clock()
         covered = self.sampler.covered_until_ns()
         while True:
-            with self._pending_lock:
+            with self._lock:
                 if not self._pending:
                     break
                 step = self._pending[0]
-                ready = covered is not None and step.t_end_ns <= covered
-                if not ready and now - step.t_end_ns < self._max_pending_ns:
-                    break
-                self._pending.popleft()
+            ready = covered is not None and step.t_end_ns <= covered
+            if not ready and now - step.t_end_ns < self._max_pending_ns:
+                break
             self._settle_step(step)
         if covered is not None and not self._pending:
             self._add_idle(self._cursor_ns, min(covered, now - self._idle_grace_ns))
@@ -169,13 +173,17 @@ class EnergyAccountant:
         self._all.add(Sums(joules, 0.0, prompt, decode))
         self._rolling.add_span(step.t_start_ns, step.t_end_ns, active_joules=joules,
                                prompt_tokens=prompt, tokens=decode)
-        for request_id, share in self.split(step.tokens, joules).items():
-            if request_id in self._closed:
-                self._closed[request_id] -= 1
-                if self._closed[request_id] <= 0:
-                    del self._closed[request_id]
-                continue
-            self._tally(request_id).add(step, request_id, share, covered)
+        shares = self.split(step.tokens, joules)
+        with self._lock:  # the step leaves the queue and enters its requests' tallies at once
+            if self._pending and self._pending[0] is step:
+                self._pending.popleft()
+            for request_id, share in shares.items():
+                if request_id in self._closed:  # finished early: its figure already took this step
+                    self._closed[request_id] -= 1
+                    if self._closed[request_id] <= 0:
+                        del self._closed[request_id]
+                    continue
+                self._tally(request_id).add(step, request_id, share, covered)
         self._cursor_ns = max(self._cursor_ns, step.t_end_ns)
         self._last_step_end_ns = max(self._last_step_end_ns, step.t_end_ns)
 
@@ -198,24 +206,31 @@ class EnergyAccountant:
         return {rid: joules * w / total for rid, w in weights.items()}
 
     def finish(self, request_id: str, wait_s: float = 0.0) -> RequestEnergy:
-        """The request's energy; waits up to wait_s for its last steps to be sampled, else extrapolates them."""
-        deadline = time.monotonic() + wait_s
+        """The request's energy; waits up to wait_s for its last steps to be sampled, else extrapolates
+        them at the recent power. With wait_s 0 (the engine thread) it never waits on settling."""
+        if wait_s > 0:
+            self._wait_settled(request_id, time.monotonic() + wait_s)
+        with self._lock:
+            tally = self._tallies.pop(request_id, None)
+            unsettled = [s for s in self._pending if request_id in s.tokens]
+            if unsettled:  # provisional here: the steps settle later for the totals
+                self._closed[request_id] = self._closed.get(request_id, 0) + len(unsettled)
+        tally = tally or _Tally(low_confidence=not unsettled)
+        for step in unsettled:
+            joules, covered = self._window(step.t_start_ns, step.t_end_ns)
+            tally.add(step, request_id, self.split(step.tokens, joules)[request_id], covered)
+        return self._result(request_id, tally)
+
+    def _wait_settled(self, request_id: str, deadline: float) -> None:
         with self._cond:
             while True:
                 self._settle_locked()
-                with self._pending_lock:
-                    unsettled = [s for s in self._pending if request_id in s.tokens]
+                with self._lock:
+                    pending = any(request_id in s.tokens for s in self._pending)
                 remaining = deadline - time.monotonic()
-                if not unsettled or remaining <= 0:
-                    break
+                if not pending or remaining <= 0:
+                    return
                 self._cond.wait(remaining)
-            tally = self._tallies.pop(request_id, None) or _Tally(low_confidence=not unsettled)
-            for step in unsettled:  # provisional: the steps settle later for the totals
-                joules, covered = self._window(step.t_start_ns, step.t_end_ns)
-                tally.add(step, request_id, self.split(step.tokens, joules)[request_id], covered)
-            if unsettled:
-                self._closed[request_id] = self._closed.get(request_id, 0) + len(unsettled)
-        return self._result(request_id, tally)
 
     def _result(self, request_id: str, tally: _Tally) -> RequestEnergy:
         meter = self.sampler.meter

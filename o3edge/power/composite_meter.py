@@ -8,13 +8,13 @@ from pathlib import Path
 
 from o3edge.power.estimate_meter import DEFAULT_WATTS_PER_CORE, EstimateMeter
 from o3edge.power.jetson_meter import JetsonMeter
-from o3edge.power.meter import Meter, MeterUnavailable, Reading
+from o3edge.power.meter import METER_CHOICES, Meter, MeterUnavailable, Reading
 from o3edge.power.nvml_meter import NvmlMeter
 from o3edge.power.rapl_meter import RaplMeter
 
 log = logging.getLogger(__name__)
 
-PREFERENCES = ("auto", "nvml", "rapl", "jetson", "estimate")
+PREFERENCES = METER_CHOICES
 
 
 class CompositeMeter(Meter):

@@ -11,7 +11,7 @@ from o3edge.power.meter import Meter, Reading
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WATTS_PER_CORE = 10.0  # a busy modern x86 or Arm big core; configure it for your part
+DEFAULT_WATTS_PER_CORE = 10.0  # a busy modern x86 or Arm big core; o3edged uses this (no setting)
 
 
 class EstimateMeter(Meter):

@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 from o3edge.errors import O3Error
 
+METER_CHOICES = ("auto", "nvml", "rapl", "jetson", "estimate")  # [power] meter; auto: the best one found
+
 
 class Reading(NamedTuple):
     """One cumulative reading: joules used in `domain` from the meter's start to `monotonic_ns`."""

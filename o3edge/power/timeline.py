@@ -77,13 +77,6 @@ class Timeline:
                 return None
             return min(s.ts[-1] for s in self._series.values())
 
-    def first_ns(self) -> int | None:
-        """The earliest time every domain has a sample at or before, or None before the first sample."""
-        with self._lock:
-            if any(not s.ts for s in self._series.values()):
-                return None
-            return max(s.ts[0] for s in self._series.values())
-
     def latest(self) -> list[Reading]:
         """The last reading of every domain that has one."""
         with self._lock:

@@ -16,6 +16,7 @@ from o3edge.engine.precision import PROMPTS, alignment_report
 from o3edge.engine.quant import Int4Linear
 from o3edge.engine.sequence import SamplingParams
 from o3edge.errors import CheckpointError
+from tests.helpers import require
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +195,7 @@ def test_unreadable_manifest_is_refused(broken):
 
 def test_report_numbers_recomputed_independently(tiny_dir, int4_engine):
     """The report against numbers computed here from transformers' float32 model and the O3Model API."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     prompts, n = PROMPTS[:3], 6
     ref, eng = engine(tiny_dir, dtype="float32"), engine(int4_engine)
     report = alignment_report(ref, eng, prompts, n)

@@ -4,9 +4,10 @@ import pytest
 
 from o3edge.engine.block_manager import BlockManager
 from o3edge.engine.breaker import CLOSED, HALF_OPEN, OPEN
-from o3edge.engine.scheduler import ClassPolicy, Scheduler
+from o3edge.engine.scheduler import Scheduler
 from o3edge.engine.sequence import Priority, SamplingParams, Sequence
 from o3edge.errors import Busy
+from o3edge.policy import ClassLimits, Policy, SchedulerPolicy
 
 C, H, N, L = Priority.CRITICAL, Priority.HIGH, Priority.NORMAL, Priority.LOW
 
@@ -19,9 +20,10 @@ class Clock:
         return self.t
 
 
-def make(num_blocks=64, max_seqs=8, budget=64, **kw):
+def make(num_blocks=64, max_seqs=8, budget=64, classes=None, **queue):
     clock = Clock()
-    sched = Scheduler(BlockManager(num_blocks, 4, "m"), max_seqs, budget, clock=clock, **kw)
+    policy = Policy(classes=classes or SchedulerPolicy(), **queue)
+    sched = Scheduler(BlockManager(num_blocks, 4, "m"), max_seqs, budget, policy, clock=clock)
     return sched, clock
 
 
@@ -68,9 +70,9 @@ def test_expired_in_queue_never_runs_and_running_ones_stop():
 
 
 def test_breaker_opens_after_threshold_timeouts_degrades_then_recovers():
-    policy = {C: ClassPolicy(50, 1, 2, breaker_cooldown_ms=1000), H: ClassPolicy(200, 8, 5),
-              N: ClassPolicy(1000, 8, 10), L: ClassPolicy(5000, 8, 20)}
-    sched, clock = make(policy=policy)
+    classes = SchedulerPolicy(ClassLimits(50, 1, 2, breaker_cooldown_ms=1000), ClassLimits(200, 8, 5),
+                              ClassLimits(1000, 8, 10), ClassLimits(5000, 8, 20))
+    sched, clock = make(classes=classes)
     hog = seq("hog", priority=C)
     sched.add(hog)
     step(sched, sched.schedule())  # the one critical slot is taken
@@ -96,8 +98,8 @@ def test_breaker_opens_after_threshold_timeouts_degrades_then_recovers():
 
 
 def test_open_breaker_on_low_refuses_with_busy():
-    policy = {p: ClassPolicy(0, 8, 1) for p in Priority}
-    sched, clock = make(max_seqs=1, policy=policy)
+    classes = SchedulerPolicy(*[ClassLimits(0, 8, 1) for _ in Priority])
+    sched, clock = make(max_seqs=1, classes=classes)
     sched.add(seq("x", priority=L))
     sched.add(seq("y", priority=L))
     clock.t += 0.01
@@ -107,7 +109,7 @@ def test_open_breaker_on_low_refuses_with_busy():
 
 
 def test_bounded_queue_says_busy():
-    sched, _ = make(max_queue_requests=2, max_queue_prompt_tokens=10)
+    sched, _ = make(queue_max_requests=2, queue_max_prompt_tokens=10)
     sched.add(seq("a", n=4))
     sched.add(seq("b", n=4))
     with pytest.raises(Busy, match="2 requests"):
@@ -134,9 +136,9 @@ def test_chunk_budget_and_decodes_first():
 
 
 def test_class_concurrency_limit():
-    policy = {C: ClassPolicy(50, 8, 3), H: ClassPolicy(200, 16, 5), N: ClassPolicy(1000, 2, 10),
-              L: ClassPolicy(5000, 8, 20)}
-    sched, _ = make(policy=policy)
+    classes = SchedulerPolicy(ClassLimits(50, 8, 3), ClassLimits(200, 16, 5), ClassLimits(1000, 2, 10),
+                              ClassLimits(5000, 8, 20))
+    sched, _ = make(classes=classes)
     for i in range(3):
         sched.add(seq(f"n{i}"))
     sched.add(seq("l", priority=L))
@@ -195,7 +197,7 @@ def test_batching_window_expires_and_never_delays_critical():
 
 
 def test_full_queue_displaces_the_least_important_waiting_request():
-    sched, _ = make(max_queue_requests=2)
+    sched, _ = make(queue_max_requests=2)
     low, normal = seq("low", priority=L), seq("normal", priority=N)
     sched.add(low)
     sched.add(normal)
@@ -219,7 +221,7 @@ def test_open_breaker_cooldown_runs_from_its_opening_not_from_later_timeouts():
 
 
 def test_making_room_in_a_full_queue_is_all_or_nothing():
-    sched, _ = make(max_queue_requests=10, max_queue_prompt_tokens=12)
+    sched, _ = make(queue_max_requests=10, queue_max_prompt_tokens=12)
     low, normal = seq("low", n=4, priority=L), seq("normal", n=8, priority=N)
     sched.add(low)
     sched.add(normal)

@@ -6,8 +6,9 @@ import torch
 from o3edge import O3Config, O3Model
 from o3edge.engine.sequence import SamplingParams
 from tests.conftest import VARIANTS
+from tests.helpers import require
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers")
 
 PROMPTS = ["import os\nimport sys\n\ndef main(argv):\n", "class Queue:\n    \"\"\"A FIFO", "x = [", "#"]
 

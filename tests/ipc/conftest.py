@@ -1,79 +1,25 @@
 """Real o3edged processes on temporary ipc endpoints, and a fake engine for in-process server tests."""
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 
 from o3edge.engine.engine import RequestOutput, StepReport
-from o3edge.ipc.client import DaemonUnavailable, O3Client
+from o3edge.ipc.client import O3Client
 from tests.helpers import wait_for  # noqa: F401 (re-exported to the tests here)
+from tools import daemon_process
+from tools.daemon_process import REPO, clean_env  # noqa: F401 (re-exported to the tests here)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_KV_BLOCKS = 256
 
 
-def clean_env(**extra) -> dict:
-    """This environment without O3EDGE_* settings, with the repository importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("O3EDGE_")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
+class DaemonProcess(daemon_process.DaemonProcess):
+    """The shared spawner (tools/daemon_process.py) with the tests' engine: on CPU, NUM_KV_BLOCKS blocks."""
 
-
-class DaemonProcess:
-    """An o3edged subprocess with its endpoint and log file."""
-
-    def __init__(self, directory, model_dir, name="o3.sock", server_extra="", engine_extra=""):
-        self.socket_path = os.path.join(directory, name)
-        self.endpoint = "ipc://" + self.socket_path
-        self.config = os.path.join(directory, name + ".toml")
-        with open(self.config, "w") as fh:
-            fh.write(f'[engine]\nmodel_path = "{model_dir}"\ndevice = "cpu"\nnum_kv_blocks = {NUM_KV_BLOCKS}\n'
-                     f'{engine_extra}\n[server]\nendpoint = "{self.endpoint}"\ndrain_timeout_s = 5.0\n{server_extra}\n')
-        self.log_path = os.path.join(directory, name + ".log")
-        self.proc = None
-
-    def start(self) -> "DaemonProcess":
-        self._log = open(self.log_path, "ab")
-        # XDG_STATE_HOME: a daemon started by hand writes its energy log there, not in the user's home
-        self.proc = subprocess.Popen([sys.executable, "-m", "o3edge.daemon", "--config", self.config], cwd=REPO,
-                                     env=clean_env(XDG_STATE_HOME=os.path.dirname(self.config)),
-                                     stdout=self._log, stderr=subprocess.STDOUT)
-        return self
-
-    def wait_ready(self, timeout=60.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"o3edged exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with O3Client(self.endpoint, timeout=2.0) as c:
-                    if c.health()["ready"]:
-                        return
-            except DaemonUnavailable:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"o3edged not ready after {timeout} s:\n{self.log()}")
-
-    def stop(self, sig=signal.SIGTERM, timeout=20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as fh:
-            return fh.read()
+    def __init__(self, directory, model_dir, name="o3.sock", tables=None, **kwargs):
+        super().__init__(directory, model_dir, name,
+                         daemon_process.merge({"engine": {"num_kv_blocks": NUM_KV_BLOCKS}}, tables or {}), **kwargs)
 
 
 @pytest.fixture(scope="session")
@@ -105,7 +51,7 @@ class FakeEngine:
         self.info = SimpleNamespace(model_dir="/fake/model", device="cpu", dtype="float32", args=args,
                                     fingerprint="fake", num_kv_blocks=64, kv_block_size=16, kv_cache_bytes=0,
                                     max_model_len=64, load_seconds=0.0, cache_identity="0" * 32)
-        self.tokenizer = SimpleNamespace(chat_template=None)
+        self.tokenizer = SimpleNamespace(chat_template=None, encode_request=self.encode)
 
     def encode(self, prompt=None, messages=None):
         return list(range(len(prompt.split()))) if prompt else [0]

@@ -13,16 +13,13 @@ calibrates and measures once more.
 
 import asyncio
 import contextlib
-import os
 import signal
 import statistics
-import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import REPO, DaemonProcess, clean_env, wait_for
+from conftest import DaemonProcess, wait_for
 from o3edge.ipc import protocol as P
 from o3edge.ipc.aio import AsyncO3Client
 from o3edge.ipc.client import O3Client, RequestError, TokenEvent
@@ -39,21 +36,13 @@ class Daemon(DaemonProcess):
     """o3edged on one torch thread, with [engine]/[server]/[scheduler.*] settings given as dicts."""
 
     def __init__(self, directory, model_dir, name, engine: dict, server: dict, scheduler: dict):
-        super().__init__(directory, model_dir, name)
-        self.model_dir, self.tables = model_dir, {}
+        super().__init__(directory, model_dir, name, env={"OMP_NUM_THREADS": "1"})
         self.configure(engine=engine, server=server, scheduler=scheduler)
 
     def configure(self, engine: dict | None = None, server: dict | None = None, scheduler: dict | None = None):
         """(Re)write the config file; on a running daemon, follow with reload()."""
-        self.tables.setdefault("engine", {"model_path": self.model_dir, "device": "cpu", "num_kv_blocks": 256})
-        self.tables.setdefault("server", {"endpoint": self.endpoint, "drain_timeout_s": 5.0})
-        self.tables["engine"].update(engine or {})
-        self.tables["server"].update(server or {})
-        for name, values in (scheduler or {}).items():
-            self.tables.setdefault(f"scheduler.{name}", {}).update(values)
-        with open(self.config, "w") as fh:
-            for table, values in self.tables.items():
-                fh.write(f"[{table}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in values.items()))
+        tables = {"engine": engine or {}, "server": server or {}}
+        super().configure({**tables, **{f"scheduler.{k}": v for k, v in (scheduler or {}).items()}})
 
     def reload(self) -> None:
         """SIGHUP, and wait until the daemon says it applied the file."""
@@ -61,17 +50,6 @@ class Daemon(DaemonProcess):
         self.proc.send_signal(signal.SIGHUP)
         assert wait_for(lambda: self.log().count("reloaded settings") > done, timeout=10), self.log()
         time.sleep(0.2)  # the engine thread applies class limits between two steps
-
-    def start(self) -> "Daemon":
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "o3edge.daemon", "--config", self.config], cwd=REPO,
-                                     env=clean_env(OMP_NUM_THREADS="1", XDG_STATE_HOME=os.path.dirname(self.config)),
-                                     stdout=self._log, stderr=subprocess.STDOUT)
-        return self
-
-
-def _toml(value) -> str:
-    return f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @pytest.fixture(scope="module")

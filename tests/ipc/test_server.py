@@ -253,3 +253,34 @@ def test_requests_are_answered_promptly_while_the_engine_streams(serve):
     for w in workers:
         w.join(10)
     assert sum(t > 0.09 for t in latencies) < 10, sorted(latencies)[-10:]
+
+
+class OwnedEngine(FakeEngine):
+    """Records every use of the engine from a thread other than the engine loop's."""
+
+    def __getattribute__(self, name):
+        if threading.current_thread().name != "o3edge-engine":
+            object.__getattribute__(self, "foreign").append((threading.current_thread().name, name))
+        return object.__getattribute__(self, name)
+
+    def __init__(self):
+        object.__setattr__(self, "foreign", [])
+        super().__init__()
+
+
+def test_only_the_engine_thread_touches_the_engine(serve):
+    engines = []
+
+    def load():
+        engines.append(OwnedEngine())
+        return engines[0]
+
+    server = serve(load)
+    with connect(server) as c:
+        assert c.wait_ready(5)["ready"]
+        assert c.generate("four words in here", max_tokens=3).text == "<0><1><2>"
+        stream = c.stream(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert [e for e in stream][-1].finish_reason == "length"
+        info, stats = c.info(), c.stats()
+        assert info["model"] == "model" and info["max_context"] == 64 and stats["finished"] == 2
+    assert object.__getattribute__(engines[0], "foreign") == []

@@ -150,3 +150,23 @@ def test_recent_window_totals():
     assert recent.idle_joules == pytest.approx(4900.0, rel=0.01)  # 141-180 s and 190-200 s, not 20-180 s
     assert overall.tokens == 150 and overall.active_joules == pytest.approx(2000.0, rel=0.01)
     assert overall.tokens_per_joule == pytest.approx(150 / 20000, rel=0.01)  # 200 s at 100 W in all
+
+
+def test_engine_thread_calls_never_wait_on_settling():
+    """report_step and finish (no wait) complete while a settle or a `stats` total holds the settling lock."""
+    _, acc, _ = _setup(3.0)
+    acc.report_step(_at(1.0, 1.5, {"a": (0, 1), "b": (0, 1)}))
+    done, result = threading.Event(), {}
+
+    def engine_thread():
+        acc.report_step(_at(1.5, 2.0, {"a": (0, 1)}))
+        result["a"] = acc.finish("a")
+        done.set()
+
+    with acc._cond:  # what the sampler thread holds while it settles, and `stats` while it totals
+        threading.Thread(target=engine_thread, daemon=True).start()
+        assert done.wait(5.0), "the engine thread waited on the settling lock"
+    assert result["a"].joules == pytest.approx(25.0 + 50.0, rel=0.01)  # half of 0.5 s at 100 W, then all of 0.5 s
+    totals = acc.totals()  # the steps settle afterwards for the totals, each once, not again for "a"
+    assert totals.active_joules == pytest.approx(100.0, rel=0.01) and totals.tokens == 3
+    assert acc.finish("b").joules == pytest.approx(25.0, rel=0.01) and acc.finish("a").joules == 0

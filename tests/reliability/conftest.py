@@ -28,9 +28,8 @@ def model_under_test(tiny_dir) -> str:
     return os.environ.get("O3EDGE_RELIABILITY_MODEL") or tiny_dir
 
 
-def start_daemon(tiny_dir, server_extra="", engine_extra="", directory=None) -> DaemonProcess:
-    d = DaemonProcess(directory or open_dir(), model_under_test(tiny_dir), server_extra=server_extra,
-                      engine_extra=engine_extra)
+def start_daemon(tiny_dir, tables=None, directory=None) -> DaemonProcess:
+    d = DaemonProcess(directory or open_dir(), model_under_test(tiny_dir), tables=tables)
     d.start().wait_ready()
     return d
 

@@ -102,8 +102,8 @@ def test_legacy_and_silent_greetings_are_closed(rel_daemon, figures):
 @pytest.fixture(scope="module")
 def guarded(tiny_dir):
     """A daemon that lets in only uid 65534 (and its own) and at most 4 connections per uid."""
-    d = start_daemon(tiny_dir, server_extra='allowed_uids = "65534"\nmax_connections_per_uid = 4\n'
-                                            "socket_mode = 0o666\n")
+    d = start_daemon(tiny_dir, {"server": {"allowed_uids": "65534", "max_connections_per_uid": 4,
+                                           "socket_mode": 0o666}})
     yield d
     d.stop()
 
