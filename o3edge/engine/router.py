@@ -4,8 +4,9 @@ Saliency, training-free (SnapKV's observation window, ZipCache's normalisation):
 probability an observed query gives a cached token is added to the token's mass, and every observed
 query that could see the token adds one to its count; saliency = mass / count, so early tokens, seen
 by more queries, are not favoured for that alone. The observed queries are the last `obs_window`
-tokens of a prompt (in the step that ends it) and every decode step's token (its probabilities are
-computed anyway). Routing runs when a prompt ends and every `refresh_steps` decode steps after.
+tokens of a prompt (in the step that ends it) and, during decode, the token of every
+`refresh_steps`-th step, the step that routes again. Routing runs when a prompt ends and every
+`refresh_steps` decode steps after.
 
 Routing: the smallest set of tokens covering `threshold` of the total saliency is salient. A sealed
 block (all its tokens computed) that holds no salient token, no attention sink (the first
@@ -171,7 +172,10 @@ class KVRouter:
             comp = torch.tensor([self.demoted[b] for b in seq.block_table[:-(-ctx // bs)]], dtype=torch.bool)[pos // bs]
             state = self.seqs.setdefault(seq.seq_id, _SeqSaliency())
             state.grow(ctx)
-            observe = min(n, self.cfg.obs_window) if ctx == len(seq) else 0  # prompt's end, or decode
+            if seq.num_output_tokens > 0:  # decode: the query of the step that routes
+                observe = int(n == 1 and state.steps_since_route + 1 >= self.cfg.refresh_steps)
+            else:  # the last queries of the prompt, in the step that ends it
+                observe = min(n, self.cfg.obs_window) if ctx == len(seq) else 0
             dev = self.device
             parts.append(_SeqStep(slice(row, row + n), torch.arange(start, ctx, device=dev),
                                   slots[~comp].to(dev), pos[~comp].to(dev), slots[comp].to(dev), pos[comp].to(dev),
