@@ -210,9 +210,9 @@ def gpu(a) -> dict:
         make_checkpoint(path, **SHAPES[a.shape])
     rows = {}
     budget = a.batch * (a.context + a.steps + 64) // 32 + 8  # blocks for the batch (plus room)
-    for label in ["off"] + list(SETTINGS):
-        graphs = label == "off" and "off" not in rows
-        name = "off (CUDA graphs)" if graphs else ("off (eager)" if label == "off" else label)
+    runs = [("off (CUDA graphs)", "off", True), ("off (eager)", "off", False)]
+    runs += [(label, label, False) for label in SETTINGS if label != "off"]
+    for name, label, graphs in runs:
         eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, num_kv_blocks=budget,
                      max_num_seqs=a.batch, max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
         g = torch.Generator().manual_seed(0)
