@@ -193,7 +193,8 @@ def quality(a) -> dict:
         }
         print(label, {k: v for k, v in rows[label].items() if not isinstance(v, list)}, flush=True)
     a_ = ref.info.args
-    return {"mode": "cpu-quality", "model": os.path.relpath(model_dir, REPO) if model_dir.startswith(REPO) else model_dir,
+    model = os.path.relpath(model_dir, REPO) if model_dir.startswith(REPO) else model_dir
+    return {"mode": "cpu-quality", "model": model,
             "model_shape": {"layers": a_.num_layers, "kv_heads": a_.num_kv_heads, "head_dim": a_.head_dim,
                             "max_position_embeddings": a_.max_position_embeddings},
             "prompts": a.prompts, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
@@ -241,12 +242,14 @@ def gpu(a) -> dict:
 
 
 def table(r: dict) -> str:
-    lines = ["| KV setting | KV bytes/token (bf16 storage) | vs bf16 | tokens kept full precision | mean KL vs off (nats) "
-             "| top-1 agreement (teacher-forced) | greedy agreement, 256 tokens | pass key found | passage copy (of 16) |",
+    lines = ["| KV setting | KV bytes/token (bf16 storage) | vs bf16 | tokens kept full precision "
+             "| mean KL vs off (nats) | top-1 agreement (teacher-forced) | greedy agreement, 256 tokens "
+             "| pass key found | passage copy (of 16) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, x in r["results"].items():
         lines.append(f"| {label} | {x['kv_bytes_per_token_bf16']:.0f} | {x['kv_bytes_vs_bf16']:.3f} "
-                     f"| {x['full_precision_token_share']:.1%} | {x['mean_kl_nats']:.5f} | {x['top1_agreement_forced']:.2%} "
+                     f"| {x['full_precision_token_share']:.1%} | {x['mean_kl_nats']:.5f} "
+                     f"| {x['top1_agreement_forced']:.2%} "
                      f"| {x['greedy_agreement_free']:.2%} | {x['needle_found']:.0%} | {x['copy_tokens_mean']:.2f} |")
     return "\n".join(lines)
 

@@ -339,6 +339,6 @@ class LLMEngine:
         their tokens in each pool."""
         router = getattr(self.runner, "router", None)
         if router is None:
-            return {"kv_router": "off", "kv_bytes_per_token": self.info.kv_cache_bytes // max(1, self.info.num_kv_blocks)
-                    // self.info.kv_block_size}
+            per_block = self.info.kv_cache_bytes // max(1, self.info.num_kv_blocks)
+            return {"kv_router": "off", "kv_bytes_per_token": per_block // self.info.kv_block_size}
         return router.stats([b.block_id for b in self.blocks.blocks if b.ref_count > 0 or b.hash is not None])
