@@ -36,6 +36,11 @@ class O3Config:
     kv_cache_memory_mb: int = 256  # the most the KV cache may take when num_kv_blocks is None
     cold_tier_mb: int = 0  # shared-memory cold tier for KV blocks; 0: off ([kv] cold_tier_mb in o3edged)
     cold_tier_dir: str = "/dev/shm"  # where its segment lives (a tmpfs)
+    kv_router: str = "off"  # token router ([kv] router): off | int8 | int4 compressed pool (engine/router.py)
+    router_threshold: float = 0.85  # share of attention saliency whose tokens keep full-precision KV
+    sink_tokens: int = 4  # first tokens: always full precision
+    recent_tokens: int = 128  # last tokens: always full precision
+    router_refresh_steps: int = 16  # decode steps between routing passes
     max_model_len: int | None = None  # None: the checkpoint's, capped at 4096
     max_num_seqs: int = 32  # sequences in the running batch
     max_num_batched_tokens: int = 2048  # prefill tokens per engine step (the chunk budget)
@@ -69,6 +74,12 @@ class O3Config:
             raise ConfigError(f"cold_tier_mb must be >= 0, got {self.cold_tier_mb}")
         if not self.cold_tier_dir.startswith("/"):
             raise ConfigError(f"cold_tier_dir must be an absolute path, got {self.cold_tier_dir!r}")
+        if self.kv_router not in ("off", "int8", "int4"):
+            raise ConfigError(f"kv router must be 'off', 'int8' or 'int4', got {self.kv_router!r}")
+        if not 0 <= self.router_threshold <= 1:
+            raise ConfigError(f"router_threshold must be in [0, 1], got {self.router_threshold}")
+        if min(self.sink_tokens, self.recent_tokens) < 0 or self.router_refresh_steps < 1:
+            raise ConfigError("sink_tokens and recent_tokens must be >= 0, router_refresh_steps >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
 

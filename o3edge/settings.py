@@ -45,7 +45,8 @@ ENV_PREFIX = "O3EDGE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 RELOADABLE = ("log.level", "power.energy_log", "scheduler.*",
               "server.queue_max_requests", "server.queue_max_prompt_tokens")
-KV_IN_ENGINE = ("cold_tier_mb", "cold_tier_dir")  # [kv] settings the engine config carries
+KV_IN_ENGINE = ("cold_tier_mb", "cold_tier_dir", "kv_router", "router_threshold", "sink_tokens", "recent_tokens",
+                "router_refresh_steps")  # [kv] settings the engine config carries
 LOADED_INTO_ENGINE = (*KV_IN_ENGINE, "policy")  # engine fields other sections fill, not [engine]
 _OCTAL = {"octal": True}  # field metadata: text values are octal (a file mode)
 
@@ -137,10 +138,16 @@ class LogSettings:
 
 @dataclass(frozen=True)
 class KVSettings:
-    """The KV cache's shared-memory cold tier (docs/kv-cache.md); the engine config gets these values."""
+    """The KV cache's shared-memory cold tier and token router (docs/kv-cache.md); the engine config gets
+    these values."""
 
     cold_tier_mb: int = 0  # 0: off
     cold_tier_dir: str = "/dev/shm"
+    router: str = "off"  # off | int8 | int4
+    router_threshold: float = 0.85
+    sink_tokens: int = 4
+    recent_tokens: int = 128
+    router_refresh_steps: int = 16
 
     def __post_init__(self):
         if self.cold_tier_mb < 0:
@@ -329,7 +336,9 @@ def _build(merged: dict) -> Settings:
     server = ServerSettings(**merged.get("server", {}))
     scheduler = SchedulerPolicy.from_dict(merged.get("scheduler", {}))
     policy = Policy(scheduler, server.queue_max_requests, server.queue_max_prompt_tokens)
-    engine.update(cold_tier_mb=kv.cold_tier_mb, cold_tier_dir=kv.cold_tier_dir, policy=policy)
+    engine.update(cold_tier_mb=kv.cold_tier_mb, cold_tier_dir=kv.cold_tier_dir, kv_router=kv.router,
+                  router_threshold=kv.router_threshold, sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens,
+                  router_refresh_steps=kv.router_refresh_steps, policy=policy)
     return Settings(
         engine=O3Config.from_dict(engine),
         kv=kv,

@@ -23,7 +23,7 @@ from o3edge.engine.runner import ModelRunner
 from o3edge.engine.scheduler import Scheduler
 from o3edge.engine.sequence import Priority, SamplingParams, Sequence
 from o3edge.engine.tokenizer import Detokenizer, Tokenizer
-from o3edge.errors import EngineFailed, InvalidRequest, OutOfCapacity, PromptTooLong
+from o3edge.errors import ConfigError, EngineFailed, InvalidRequest, OutOfCapacity, PromptTooLong
 from o3edge.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,9 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(model, args, device, dtype, num_blocks, config.kv_block_size, max_len,
                                       config.seed)
-        if device.type == "cuda" and config.cuda_graphs and not onnx:
+        if onnx and config.kv_router != "off":
+            raise ConfigError("the token router needs the torch backend ([kv] router = off for onnxruntime)")
+        if device.type == "cuda" and config.cuda_graphs and not onnx and config.kv_router == "off":
             self.runner.enable_static_decode(config.max_num_seqs, capture=True,
                                              max_prefill_tokens=config.max_num_batched_tokens)
         # ONNX Runtime keeps dense KV per sequence (the pool only budgets it): no prefix sharing, no cold tier
@@ -134,6 +136,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.kv_block_size, identity, prefix_reuse)
         self.offloader = self._cold_tier(config, identity, block_bytes) if prefix_reuse else None
         self.policy = config.policy  # replaced whole by set_policy (a reload)
+        if config.kv_router != "off":
+            self._router(config)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.policy)
         self.scheduler.set_window(config.batch_window_ms, config.min_batch_size)
         eos = args.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(self.tokenizer.eos_token)] if t is not None)
@@ -169,6 +173,24 @@ class LLMEngine:
         self.blocks.on_cached_free = lambda b: offloader.offer(b.block_id, b.hash, b.parent, b.token_ids)
         self.blocks.on_reuse = offloader.before_overwrite
         return offloader
+
+    def _router(self, config: O3Config) -> None:
+        """Token router on (engine/router.py): a compressed KV pool beside the full-precision one; a block
+        handed out again starts full precision."""
+        from o3edge.engine.router import RouterConfig
+
+        self.runner.enable_router(RouterConfig(config.kv_router, config.router_threshold, config.sink_tokens,
+                                               config.recent_tokens, config.router_refresh_steps))
+        router, before = self.runner.router, self.blocks.on_reuse
+
+        def on_reuse(block_id: int) -> None:
+            if before is not None:
+                before(block_id)  # the cold tier's copy of the old contents comes first
+            router.reset_block(block_id)
+
+        self.blocks.on_reuse = on_reuse
+        log.info("token router: %s pool, threshold %.2f, %d sink and %d recent tokens full precision",
+                 config.kv_router, config.router_threshold, config.sink_tokens, config.recent_tokens)
 
     def _restore(self, seq: Sequence) -> int:
         """Copy seq's cold blocks in; how many arrived (a failure means they are all recomputed)."""
@@ -340,4 +362,13 @@ class LLMEngine:
         s = self.scheduler
         return {"waiting": len(s.waiting), "running": len(s.running), "preemptions": s.num_preemptions,
                 "generated_tokens": self.num_generated_tokens, "classes": s.stats(), **self.blocks.stats(),
-                **(self.offloader.stats() if self.offloader is not None else {"cold_tier": "off"})}
+                **(self.offloader.stats() if self.offloader is not None else {"cold_tier": "off"}), **self._kv_stats()}
+
+    def _kv_stats(self) -> dict:
+        """KV bytes per token of the blocks holding K/V (in use or cached), and (router on) the share of
+        their tokens in each pool."""
+        router = getattr(self.runner, "router", None)
+        if router is None:
+            per_block = self.info.kv_cache_bytes // max(1, self.info.num_kv_blocks)
+            return {"kv_router": "off", "kv_bytes_per_token": per_block // self.info.kv_block_size}
+        return router.stats([b.block_id for b in self.blocks.blocks if b.ref_count > 0 or b.hash is not None])

@@ -35,6 +35,7 @@ class StepBatch:
     seqs: torch.Tensor | None = None
     tables: torch.Tensor | None = None
     block_size: int = 0
+    router: object | None = None  # token router on: attention over both KV pools (router.RouterStep)
 
 
 class RMSNorm(nn.Module):
@@ -63,6 +64,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.q_size, args.hidden_size, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.layer_id = 0  # set by Transformer: which layer of the router's compressed pool is this one's
 
     def forward(self, x, cos, sin, batch: StepBatch, k_cache, v_cache):
         # x: [T, D]; cos, sin: [T, hd]; k_cache, v_cache: [num_slots, KVH, hd]
@@ -76,7 +78,10 @@ class Attention(nn.Module):
         q, k = qk[:, :H], qk[:, H:]
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
-        out = paged_attention(q, k_cache, v_cache, batch)  # [T, H, hd]
+        if batch.router is None:
+            out = paged_attention(q, k_cache, v_cache, batch)  # [T, H, hd]
+        else:
+            out = batch.router.attend(self.layer_id, q, k_cache, v_cache)
         return self.o(out.reshape(T, self.q_size))
 
 
@@ -134,6 +139,8 @@ class Transformer(nn.Module):
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        for i, layer in enumerate(self.layers):
+            layer.attn.layer_id = i
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

@@ -44,6 +44,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator | None] = {}
         self._seed = seed
         self.last_logits: torch.Tensor | None = None
+        self.router = None  # engine/router.py's KVRouter when the token router is on (enable_router)
 
     @staticmethod
     def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -62,13 +63,30 @@ class ModelRunner:
             if self.prefill_graphs is not None:
                 self.prefill_graphs.capture_all()
 
+    def enable_router(self, cfg) -> None:
+        """Token router on (engine/router.py): every step runs the model's eager forward, attention over
+        both KV pools; the static decode paths (CUDA graphs, CPU spans) are not used."""
+        from o3edge.engine.router import KVRouter
+
+        a = self.args
+        full = self.block_bytes(a, self.block_size, self.dtype) // self.block_size
+        self.router = KVRouter(cfg, a.num_layers, self.kv_cache.shape[2], a.num_kv_heads, a.head_dim,
+                               self.block_size, self.device, full)
+        self.graphs = self.prefill_graphs = self.cpu_decode = None
+        self.paged_prefill = False  # the router attends over the gathered keys and its compressed pool
+
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
         """Compute the new tokens' K/V and sample a token for each sequence whose prompt is now done."""
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
         greedy_only = all(batch[i][0].params.greedy for i in done)
         picked = None
-        if self.graphs is not None and self.graphs.fits(batch):
+        if self.router is not None:
+            input_ids, positions, step = self.prepare(batch)
+            step.router = self.router.begin_step(batch)
+            logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
+            self.router.end_step(batch, self.kv_cache)
+        elif self.graphs is not None and self.graphs.fits(batch):
             logits, picked = self.graphs.run(batch, greedy_only)  # decode: greedy picked on the GPU
         else:
             if self.graphs is not None:
@@ -103,8 +121,10 @@ class ModelRunner:
         return self.generators[seq.seq_id]
 
     def release(self, seq: Sequence) -> None:
-        """Forget a finished sequence's random stream."""
+        """Forget a finished sequence's random stream (and its saliency)."""
         self.generators.pop(seq.seq_id, None)
+        if self.router is not None:
+            self.router.forget(seq.seq_id)
 
     def prepare(self, batch: list[tuple[Sequence, int]]):
         """Flat input ids and positions, and the step's attention metadata, on the device."""

@@ -1,0 +1,294 @@
+"""The token router: salient tokens keep full-precision KV, sealed blocks of the rest are compressed.
+
+Saliency, training-free (SnapKV's observation window, ZipCache's normalisation): every attention
+probability an observed query gives a cached token is added to the token's mass, and every observed
+query that could see the token adds one to its count; saliency = mass / count, so early tokens, seen
+by more queries, are not favoured for that alone. The observed queries are the last `obs_window`
+tokens of a prompt (in the step that ends it) and, during decode, the token of every
+`refresh_steps`-th step, the step that routes again. Routing runs when a prompt ends and every
+`refresh_steps` decode steps after.
+
+Routing: the smallest set of tokens covering `threshold` of the total saliency is salient. A sealed
+block (all its tokens computed) that holds no salient token, no attention sink (the first
+`sink_tokens`) and no token of the recent window (the last `recent_tokens`) is demoted: its K/V are
+quantized (engine/kv_quant.py) into the compressed pool and attention reads them from there. Keys
+are cached after RoPE, so a block's place in either pool does not change what it means. A demoted
+block stays demoted while it lives; precision is a property of the block, so every sequence sharing
+it through the prefix cache reads the same compressed copy, and its hash does not change.
+
+The compressed pool is indexed by the same block ids as the full-precision pool, and the block's
+full-precision slots keep their bytes (they are not reused for other blocks yet): the router saves
+the bytes attention reads, and `stats` reports the bytes per token of what attention reads; freeing
+a demoted block's full-precision space for more sequences is planned, not built.
+
+Attention over both pools: each sequence's keys are split into its full-precision positions and its
+compressed ones; each part gives a partial result and its log-sum-exp, and the two are merged. On
+CUDA a decode step's compressed part runs in kernels/quant_attention.py; everything else in torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from o3edge.engine.kv_quant import code_dim, bytes_per_vector, dequantize, hadamard, quantize
+
+ROUTER_MODES = ("off", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: str = "int8"  # int8 | int4
+    threshold: float = 0.85  # share of saliency the kept tokens cover
+    sink_tokens: int = 4  # the first tokens: always full precision
+    recent_tokens: int = 128  # the last tokens: always full precision
+    refresh_steps: int = 16  # decode steps between routing passes
+    obs_window: int = 32  # prompt queries observed at prefill
+
+
+def salient_positions(saliency: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Bool [n]: the smallest set of positions whose saliency covers `threshold` of the total
+    (ties broken by position, so the choice is deterministic)."""
+    n = saliency.numel()
+    keep = torch.zeros(n, dtype=torch.bool)
+    total = float(saliency.sum())
+    if threshold <= 0 or total <= 0:
+        return keep
+    order = torch.sort(saliency, descending=True, stable=True).indices
+    covered = torch.cumsum(saliency[order], 0)
+    count = int(torch.searchsorted(covered, torch.tensor(threshold * total, dtype=covered.dtype))) + 1
+    keep[order[:min(count, n)]] = True
+    return keep
+
+
+def blocks_to_demote(saliency: torch.Tensor, ctx: int, block_size: int, cfg: RouterConfig,
+                     demoted: list[bool]) -> list[int]:
+    """Indices (in the sequence's block table) of sealed blocks to demote now; `demoted[i]` says
+    whether table entry i already is. saliency: [ctx] for positions 0 .. ctx-1."""
+    keep = salient_positions(saliency[:ctx], cfg.threshold)
+    sealed = ctx // block_size
+    out = []
+    for i in range(sealed):
+        lo, hi = i * block_size, (i + 1) * block_size
+        if demoted[i] or lo < cfg.sink_tokens or hi > ctx - cfg.recent_tokens:
+            continue
+        if not bool(keep[lo:hi].any()):
+            out.append(i)
+    return out
+
+
+class _SeqSaliency:
+    """Observed attention mass and observer counts of one sequence's positions (float64, CPU)."""
+
+    def __init__(self):
+        self.mass = torch.zeros(0, dtype=torch.float64)
+        self.count = torch.zeros(0, dtype=torch.float64)
+        self.steps_since_route = 0
+
+    def grow(self, n: int) -> None:
+        if self.mass.numel() < n:
+            extra = max(n, 2 * self.mass.numel()) - self.mass.numel()
+            self.mass = torch.cat((self.mass, torch.zeros(extra, dtype=torch.float64)))
+            self.count = torch.cat((self.count, torch.zeros(extra, dtype=torch.float64)))
+
+    def saliency(self, ctx: int) -> torch.Tensor:
+        return self.mass[:ctx] / self.count[:ctx].clamp_min(1.0)
+
+
+@dataclass
+class _SeqStep:
+    """One sequence's part of a router step."""
+
+    rows: slice  # its query rows in the step's flat [T] tokens
+    q_pos: torch.Tensor  # [n] positions of its queries
+    full_slots: torch.Tensor  # [Sf] cache slots of its full-precision keys (new ones included)
+    full_pos: torch.Tensor  # [Sf] their positions
+    comp_slots: torch.Tensor  # [Sc] cache slots of its compressed keys (all before its queries)
+    comp_pos: torch.Tensor  # [Sc]
+    observe: int  # observe the last `observe` queries (0: none)
+    state: _SeqSaliency
+
+
+class RouterStep:
+    """What attention needs in one router-on step; built by KVRouter.begin_step, used by every layer."""
+
+    def __init__(self, router: "KVRouter", parts: list[_SeqStep]):
+        self.router, self.parts = router, parts
+
+    def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, hd] -> [T, H, hd] over both pools."""
+        out = torch.empty_like(q)
+        for part in self.parts:
+            out[part.rows] = self.router.attend_seq(layer, q[part.rows], k_cache, v_cache, part).to(q.dtype)
+        return out
+
+
+class KVRouter:
+    """The compressed pool, the per-block precision flags, the per-sequence saliency, the policy."""
+
+    def __init__(self, cfg: RouterConfig, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
+                 block_size: int, device: torch.device, full_bytes_per_token: int):
+        self.cfg, self.block_size, self.device = cfg, block_size, device
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        cd = code_dim(cfg.mode, head_dim)
+        ctype = torch.int8 if cfg.mode == "int8" else torch.uint8
+        self.codes = torch.zeros(num_layers, 2, num_slots, kv_heads, cd, dtype=ctype, device=device)
+        self.scales = torch.zeros(num_layers, 2, num_slots, kv_heads, dtype=torch.float16, device=device)
+        self.rotation = hadamard(head_dim, device=device) if cfg.mode == "int4" else None
+        self.demoted = [False] * (num_slots // block_size)
+        self.seqs: dict[int, _SeqSaliency] = {}
+        self.full_bytes_per_token = full_bytes_per_token
+        self.comp_bytes_per_token = num_layers * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
+        self.num_demoted_blocks = 0  # ever
+
+    # ---- blocks ----------------------------------------------------------------------------
+    def demote(self, block_id: int, kv_cache: torch.Tensor) -> None:
+        """Quantize a block's K/V (all layers) into the compressed pool; attention reads it there."""
+        lo, hi = block_id * self.block_size, (block_id + 1) * self.block_size
+        codes, scales = quantize(kv_cache[:, :, lo:hi], self.cfg.mode, self.rotation)
+        self.codes[:, :, lo:hi] = codes
+        self.scales[:, :, lo:hi] = scales
+        self.demoted[block_id] = True
+        self.num_demoted_blocks += 1
+
+    def reset_block(self, block_id: int) -> None:
+        """A free block is handed out again: its new contents are full precision."""
+        self.demoted[block_id] = False
+
+    def forget(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+
+    # ---- steps -----------------------------------------------------------------------------
+    def begin_step(self, batch) -> RouterStep:
+        """The per-sequence key split and observation plan of a step over batch [(seq, n)]."""
+        bs, parts, row = self.block_size, [], 0
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            ctx = start + n
+            pos = torch.arange(ctx)
+            table = torch.tensor(seq.block_table[:-(-ctx // bs)], dtype=torch.long)
+            slots = table[pos // bs] * bs + pos % bs
+            comp = torch.tensor([self.demoted[b] for b in seq.block_table[:-(-ctx // bs)]], dtype=torch.bool)[pos // bs]
+            state = self.seqs.setdefault(seq.seq_id, _SeqSaliency())
+            state.grow(ctx)
+            if seq.num_output_tokens > 0:  # decode: the query of the step that routes
+                observe = int(n == 1 and state.steps_since_route + 1 >= self.cfg.refresh_steps)
+            else:  # the last queries of the prompt, in the step that ends it
+                observe = min(n, self.cfg.obs_window) if ctx == len(seq) else 0
+            dev = self.device
+            parts.append(_SeqStep(slice(row, row + n), torch.arange(start, ctx, device=dev),
+                                  slots[~comp].to(dev), pos[~comp].to(dev), slots[comp].to(dev), pos[comp].to(dev),
+                                  observe, state))
+            row += n
+        return RouterStep(self, parts)
+
+    def end_step(self, batch, kv_cache: torch.Tensor) -> None:
+        """Route the sequences whose prompt just ended, and the decoding ones due for a refresh."""
+        for seq, n in batch:
+            ctx = seq.num_computed_tokens + n
+            if ctx < len(seq):
+                continue  # a prompt chunk that does not end the prompt
+            state = self.seqs[seq.seq_id]
+            state.steps_since_route += 1
+            if seq.num_output_tokens > 0 and state.steps_since_route < self.cfg.refresh_steps:
+                continue
+            state.steps_since_route = 0
+            table = seq.block_table
+            flags = [self.demoted[b] for b in table[:ctx // self.block_size]]
+            for i in blocks_to_demote(state.saliency(ctx), ctx, self.block_size, self.cfg, flags):
+                self.demote(table[i], kv_cache)
+
+    # ---- attention -------------------------------------------------------------------------
+    def attend_seq(self, layer: int, q: torch.Tensor, k_cache, v_cache, part: _SeqStep) -> torch.Tensor:
+        """One sequence's queries q [n, H, hd] over its full-precision and compressed keys -> [n, H, hd]."""
+        n, H, hd = q.shape
+        qf = q.float()
+        scale = hd ** -0.5
+        kf = k_cache.index_select(0, part.full_slots).float()
+        vf = v_cache.index_select(0, part.full_slots).float()
+        s_full = _scores(qf, kf, self.kv_heads) * scale  # [H, n, Sf]
+        s_full = s_full.masked_fill(part.full_pos[None, None, :] > part.q_pos[None, :, None], float("-inf"))
+        lse_f = torch.logsumexp(s_full, -1)  # every query sees itself: finite
+        o = _weighted(torch.exp(s_full - lse_f[..., None]), vf, self.kv_heads)  # [H, n, hd]
+        s_comp = None
+        if part.comp_slots.numel():
+            if q.is_cuda and n == 1:
+                from o3edge.engine.kernels.quant_attention import quant_attention_partial
+
+                blocks = (part.comp_slots[::self.block_size] // self.block_size).to(torch.int32)
+                o_c, lse_c = quant_attention_partial(self._rotate(qf[0][None]), blocks[None], self.codes[layer],
+                                                     self.scales[layer], self.cfg.mode, self.block_size)
+                o_c, lse_c = self._unrotate(o_c).transpose(0, 1), lse_c.transpose(0, 1)  # [H, 1, hd], [H, 1]
+            else:
+                kc, vc = self._gather(layer, part.comp_slots)
+                s_comp = _scores(self._rotate(qf), kc, self.kv_heads) * scale  # [H, n, Sc]
+                lse_c = torch.logsumexp(s_comp, -1)
+                o_c = self._unrotate(_weighted(torch.exp(s_comp - lse_c[..., None]), vc, self.kv_heads))
+            lse = torch.logaddexp(lse_f, lse_c)
+            o = o * torch.exp(lse_f - lse)[..., None] + o_c * torch.exp(lse_c - lse)[..., None]
+        else:
+            lse = lse_f
+        if part.observe:
+            self._observe(layer, part, s_full, s_comp, lse, qf, scale)
+        return o.transpose(0, 1)  # [n, H, hd]
+
+    def _gather(self, layer: int, slots: torch.Tensor):
+        """Compressed keys and values at slots, dequantized (int4: still in the rotated basis)."""
+        codes, scales = self.codes[layer], self.scales[layer]
+        k = dequantize(codes[0].index_select(0, slots), scales[0].index_select(0, slots), self.cfg.mode)
+        v = dequantize(codes[1].index_select(0, slots), scales[1].index_select(0, slots), self.cfg.mode)
+        return k, v
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.rotation is None else x @ self.rotation
+
+    def _unrotate(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.rotation is None else x @ self.rotation
+
+    def _observe(self, layer, part: _SeqStep, s_full, s_comp, lse, qf, scale) -> None:
+        """Add the last `observe` queries' attention probabilities (mean over heads) to the mass."""
+        w = part.observe
+        lse_w = lse[:, -w:, None]
+        state = part.state
+        p_full = torch.exp(s_full[:, -w:] - lse_w).mean(0).sum(0)  # [Sf]
+        state.mass.index_add_(0, part.full_pos.cpu(), p_full.double().cpu())
+        if part.comp_slots.numel():
+            if s_comp is None:  # the kernel gave no scores: recompute them for the one query
+                kc, _ = self._gather(layer, part.comp_slots)
+                s_comp = _scores(self._rotate(qf), kc, self.kv_heads) * scale
+            p_comp = torch.exp(s_comp[:, -w:] - lse_w).mean(0).sum(0)
+            state.mass.index_add_(0, part.comp_pos.cpu(), p_comp.double().cpu())
+        q_pos = part.q_pos[-w:].cpu()
+        ctx = int(q_pos[-1]) + 1
+        seen = (torch.arange(ctx)[None, :] <= q_pos[:, None]).sum(0).double()
+        state.count[:ctx] += seen
+
+    # ---- figures ---------------------------------------------------------------------------
+    def stats(self, blocks_in_use: list[int]) -> dict:
+        """KV bytes per token and the share of tokens in each pool, over the blocks in use."""
+        n = len(blocks_in_use)
+        comp = sum(1 for b in blocks_in_use if self.demoted[b])
+        full_share = (n - comp) / n if n else 1.0
+        per_token = full_share * self.full_bytes_per_token + (1 - full_share) * self.comp_bytes_per_token
+        return {"kv_router": self.cfg.mode, "kv_bytes_per_token": round(per_token, 1),
+                "kv_full_precision_bytes_per_token": self.full_bytes_per_token,
+                "kv_tokens_full_share": round(full_share, 4), "kv_tokens_compressed_share": round(1 - full_share, 4),
+                "kv_blocks_demoted_total": self.num_demoted_blocks}
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [n, H, hd], k [S, KVH, hd] (float32) -> [H, n, S] dot products, GQA groups of H / KVH heads."""
+    n, H, hd = q.shape
+    G = H // kv_heads
+    qg = q.view(n, kv_heads, G, hd).permute(1, 2, 0, 3).reshape(kv_heads, G * n, hd)
+    s = torch.bmm(qg, k.permute(1, 2, 0))  # [KVH, G*n, S]
+    return s.view(H, n, k.shape[0])
+
+
+def _weighted(p: torch.Tensor, v: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """p [H, n, S], v [S, KVH, hd] -> [H, n, hd]."""
+    H, n, S = p.shape
+    G = H // kv_heads
+    out = torch.bmm(p.reshape(kv_heads, G * n, S), v.permute(1, 0, 2))  # [KVH, G*n, hd]
+    return out.view(H, n, v.shape[-1])

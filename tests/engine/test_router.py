@@ -1,0 +1,280 @@
+"""The token router: KV quantizers, routing policy, two-pool attention, the compressed-pool kernel, the engine."""
+
+import pytest
+import torch
+
+from o3edge import O3Config, O3Model
+from o3edge.engine.kernels.quant_attention import quant_attention_partial, quant_attention_reference
+from o3edge.engine.kv_quant import dequantize, hadamard, quantize
+from o3edge.engine.router import KVRouter, RouterConfig, blocks_to_demote, salient_positions
+from o3edge.engine.sequence import SamplingParams, Sequence
+from o3edge.errors import ConfigError
+
+PROMPT = "You are a careful assistant who answers questions about the Python standard library. " * 6
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+ROUTED = dict(kv_block_size=8, sink_tokens=4, recent_tokens=16, router_refresh_steps=4)
+
+
+def load(path, **kw):
+    return O3Model.from_config(O3Config(model_path=path, device="cpu", **kw))
+
+
+# ---- quantizers --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantize_round_trip_error_is_within_half_a_step(mode):
+    torch.manual_seed(0)
+    x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 4
+    rot = hadamard(64) if mode == "int4" else None
+    codes, scales = quantize(x, mode, rot)
+    assert codes.shape[-1] == (64 if mode == "int8" else 32) and scales.dtype == torch.float16
+    back = dequantize(codes, scales, mode, rot)
+    basis = x @ rot if rot is not None else x  # the error bound holds in the basis that was quantized
+    step = scales.float()[..., None]
+    err = (dequantize(codes, scales, mode, rot, unrotate=False) - basis).abs()
+    assert (err <= step * 0.5 + 1e-3 * basis.abs().amax(-1, keepdim=True)).all()
+    assert torch.allclose(back.norm(dim=-1), x.norm(dim=-1), rtol=0.2 if mode == "int4" else 0.02)
+
+
+def test_hadamard_is_orthonormal_and_its_own_inverse_for_any_head_dim():
+    for n in (64, 128, 96):
+        h = hadamard(n, dtype=torch.float64)
+        assert torch.allclose(h @ h, torch.eye(n, dtype=torch.float64), atol=1e-12)
+        assert torch.equal(h, h.T)
+
+
+def test_rotation_cuts_int4_error_on_an_outlier_channel():
+    torch.manual_seed(1)
+    x = torch.randn(256, 64)
+    x[:, 5] *= 30  # one outlier channel, as keys have
+    plain = (dequantize(*quantize(x, "int4"), "int4") - x).norm() / x.norm()
+    rot = hadamard(64)
+    rotated = (dequantize(*quantize(x, "int4", rot), "int4", rot) - x).norm() / x.norm()
+    assert rotated < 0.6 * plain
+
+
+# ---- policy ------------------------------------------------------------------------------------
+
+def test_salient_set_is_the_smallest_covering_the_threshold():
+    s = torch.tensor([0.05, 0.5, 0.1, 0.3, 0.05], dtype=torch.float64)
+    assert salient_positions(s, 0.85).tolist() == [False, True, True, True, False]  # 0.9 >= 0.85
+    assert salient_positions(s, 0.8).tolist() == [False, True, False, True, False]
+    assert not salient_positions(s, 0.0).any()
+
+
+def test_sinks_and_recent_window_are_never_demoted():
+    torch.manual_seed(2)
+    cfg = RouterConfig("int8", threshold=0.5, sink_tokens=5, recent_tokens=20)
+    for ctx in (40, 57, 64, 100):
+        s = torch.rand(ctx, dtype=torch.float64) ** 8  # a few salient tokens
+        out = blocks_to_demote(s, ctx, 8, cfg, [False] * (ctx // 8))
+        assert out  # the policy does demote
+        for i in out:
+            assert i * 8 >= 5 and (i + 1) * 8 <= ctx - 20 and (i + 1) * 8 <= ctx
+            assert not salient_positions(s, 0.5)[i * 8:(i + 1) * 8].any()
+
+
+# ---- two-pool attention --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_two_pool_attention_equals_dequantize_then_attend(mode):
+    """A sequence with some blocks demoted: the merged result equals one softmax over full-precision
+    keys where they stayed and dequantized keys where they were demoted."""
+    torch.manual_seed(3)
+    L, bs, KVH, H, hd, nblocks = 2, 8, 2, 6, 64, 6
+    slots = (nblocks + 1) * bs
+    kv = torch.randn(L, 2, slots, KVH, hd)
+    router = KVRouter(RouterConfig(mode), L, slots, KVH, hd, bs, torch.device("cpu"), 1)
+    for b in (1, 3):
+        router.demote(b, kv)
+    seq = Sequence("s", list(range(41)), GREEDY)
+    seq.block_table, seq.num_computed_tokens = [0, 1, 2, 3, 4, 5], 37  # 4 queries: positions 37..40
+    step = router.begin_step([(seq, 4)])
+    q = torch.randn(4, H, hd)
+    out = step.attend(1, q, kv[1, 0], kv[1, 1])
+    k, v = kv[1, 0, :41].clone(), kv[1, 1, :41].clone()
+    for b in (1, 3):
+        r = slice(b * bs, (b + 1) * bs)
+        k[r] = dequantize(router.codes[1, 0, r], router.scales[1, 0, r], mode, router.rotation)
+        v[r] = dequantize(router.codes[1, 1, r], router.scales[1, 1, r], mode, router.rotation)
+    scores = torch.einsum("nhd,shd->hns", q, k.repeat_interleave(3, 1)) * hd ** -0.5
+    scores = scores.masked_fill(torch.arange(41)[None, None] > torch.arange(37, 41)[None, :, None], float("-inf"))
+    want = torch.einsum("hns,shd->nhd", torch.softmax(scores, -1), v.repeat_interleave(3, 1))
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_two_pool_decode_on_the_gpu_matches_the_cpu(mode):
+    """On CUDA a decode query's compressed part runs in the Triton kernel; the merged result matches
+    the CPU's torch path on the same cache."""
+    torch.manual_seed(6)
+    L, bs, KVH, H, hd = 2, 16, 2, 8, 64
+    kv = torch.randn(L, 2, 8 * bs, KVH, hd)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        router = KVRouter(RouterConfig(mode), L, 8 * bs, KVH, hd, bs, torch.device(dev), 1)
+        cache = kv.to(dev)
+        for b in (1, 2, 4):
+            router.demote(b, cache)
+        seq = Sequence("s", list(range(7 * bs - 3)), GREEDY)
+        seq.block_table, seq.num_computed_tokens = list(range(7)), 7 * bs - 4
+        step = router.begin_step([(seq, 1)])
+        q = torch.randn(1, H, hd, generator=torch.Generator().manual_seed(7)).to(dev)
+        outs.append(step.attend(0, q, cache[0, 0], cache[0, 1]).cpu())
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+
+
+# ---- the compressed-pool kernel (Triton; the interpreter on CPU) -----------------------------------
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("block_size,heads,kv_heads,head_dim", [(16, 6, 2, 64), (8, 4, 4, 64), (32, 8, 1, 128),
+                                                                 (24, 9, 3, 64), (16, 4, 2, 96)])
+def test_kernel_matches_dequantize_then_attend(mode, block_size, heads, kv_heads, head_dim):
+    torch.manual_seed(4)
+    slots = 9 * block_size
+    kv = torch.randn(2, slots, kv_heads, head_dim) * 2
+    codes, scales = quantize(kv, mode, hadamard(head_dim) if mode == "int4" else None)
+    q = torch.randn(4, heads, head_dim)
+    table = torch.tensor([[3, 1, 7, 0, 8], [5, 2, 0, 0, 0], [0, 0, 0, 0, 0], [6, 0, 0, 0, 0]], dtype=torch.int32)
+    counts = torch.tensor([5, 2, 0, 1], dtype=torch.int32)  # odd counts, an empty row, one block
+    o, lse = quant_attention_partial(q, table, codes, scales, mode, block_size, counts)
+    o_ref, lse_ref = quant_attention_reference(q, table, codes, scales, mode, block_size, counts)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)
+    assert torch.isinf(lse[2]).all() and (o[2] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_kernel_matches_reference_on_the_gpu(mode):
+    torch.manual_seed(5)
+    dev = "cuda"
+    kv = torch.randn(2, 64 * 32, 8, 64, device=dev)
+    codes, scales = quantize(kv, mode, hadamard(64, device=dev) if mode == "int4" else None)
+    q = torch.randn(16, 32, 64, device=dev)
+    table = torch.randint(0, 64, (16, 40), dtype=torch.int32, device=dev)
+    counts = torch.randint(0, 41, (16,), dtype=torch.int32, device=dev)
+    o, lse = quant_attention_partial(q, table, codes, scales, mode, 32, counts)
+    o_ref, lse_ref = quant_attention_reference(q, table, codes, scales, mode, 32, counts)
+    torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+def test_router_settings_are_checked():
+    for bad in (dict(kv_router="int2"), dict(router_threshold=1.5), dict(recent_tokens=-1)):
+        with pytest.raises(ConfigError):
+            O3Config(**bad)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_router_on_is_deterministic_and_demotes_only_eligible_blocks(tiny_dir, mode):
+    runs = []
+    for _ in range(2):
+        m = load(tiny_dir, kv_router=mode, **ROUTED)
+        eng, router = m.engine, m.engine.runner.router
+        prompts = [eng.encode(PROMPT + f"What is module {i}?") for i in range(3)]
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, GREEDY)
+        outs, checked = {}, 0
+        while eng.has_unfinished_requests():
+            for out in eng.step()[0]:
+                outs.setdefault(out.request_id, []).extend(out.token_ids)
+            for seq in eng.scheduler.running:  # sinks and the recent window stay full precision
+                ctx = seq.num_computed_tokens
+                for i, block_id in enumerate(seq.block_table[:-(-ctx // 8)]):
+                    if i * 8 < 4 or (i + 1) * 8 > ctx - 16:
+                        assert not router.demoted[block_id]
+                        checked += 1
+        assert checked and router.num_demoted_blocks > 0
+        runs.append([outs[str(i)] for i in range(3)])
+    assert runs[0] == runs[1]
+
+
+def test_stats_show_bytes_per_token_and_pool_shares(tiny_dir):
+    off = load(tiny_dir, **ROUTED)
+    on = load(tiny_dir, kv_router="int4", **ROUTED)
+    ids = on.engine.encode(PROMPT)
+    for m in (off, on):
+        m.generate_batch([ids], GREEDY)
+    s_off, s_on = off.engine.stats(), on.engine.stats()
+    assert s_off["kv_router"] == "off" and "kv_tokens_compressed_share" not in s_off
+    assert 0 < s_on["kv_tokens_compressed_share"] < 1
+    assert s_on["kv_tokens_full_share"] + s_on["kv_tokens_compressed_share"] == pytest.approx(1)
+    assert s_on["kv_bytes_per_token"] < s_off["kv_bytes_per_token"] == s_on["kv_full_precision_bytes_per_token"]
+
+
+def test_prefix_hit_reuses_a_demoted_block_under_the_same_hash(tiny_dir):
+    m = load(tiny_dir, kv_router="int8", **ROUTED)
+    eng, router = m.engine, m.engine.runner.router
+    first = eng.encode(PROMPT + "What is os?")
+    m.generate_batch([first], GREEDY)
+    demoted = {b.hash: b.block_id for b in eng.blocks.blocks if b.hash is not None and router.demoted[b.block_id]}
+    assert demoted
+    again = m.generate_batch([first], GREEDY)[0]
+    assert again.cached_tokens > 0
+    for h, block_id in demoted.items():  # same name, same block, still compressed
+        assert eng.blocks.cached.get(h) == block_id and router.demoted[block_id]
+    fresh = load(tiny_dir, kv_router="int8", **ROUTED)  # a second engine replays the same two requests
+    fresh.generate_batch([first], GREEDY)
+    assert fresh.generate_batch([first], GREEDY)[0].token_ids == again.token_ids
+
+
+def test_a_reused_block_starts_full_precision(tiny_dir):
+    m = load(tiny_dir, kv_router="int8", num_kv_blocks=40, dynamic_kv_cache=False, **ROUTED)
+    eng, router = m.engine, m.engine.runner.router
+    m.generate_batch([eng.encode(PROMPT)], GREEDY)
+    assert any(router.demoted)
+    m.generate_batch([eng.encode("import os\n" * 3)], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    short = eng.encode("import os\n" * 3)
+    seq_blocks = -(-(len(short) + 4) // 8)
+    assert eng.blocks.num_free_blocks == 40
+    # the short request took the least recently freed blocks, whatever they held: none reads as compressed
+    taken = list(eng.blocks.free)[-seq_blocks:]
+    assert not any(router.demoted[b] for b in taken)
+
+
+def test_cold_tier_keeps_the_full_precision_copy_of_a_demoted_block(tiny_dir, shm):
+    """A demoted block that leaves the hot pool goes to the cold tier at full precision and comes back
+    bit-identical into a fresh (full-precision) block: promotion without loss."""
+    kw = dict(ROUTED, kv_block_size=16, recent_tokens=32, router_threshold=0.0)
+    m = load(tiny_dir, kv_router="int8", num_kv_blocks=12, cold_tier_mb=8, cold_tier_dir=shm, **kw)
+    eng, runner = m.engine, m.engine.runner
+    prompt = eng.encode(PROMPT)[:96]
+    m.generate_batch([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    eng.offloader.drain()
+    full = (len(prompt) - 1) // 16
+    chunks = {tuple(prompt[i * 16:(i + 1) * 16]) for i in range(full)}
+    named = {b.hash: b.block_id for b in eng.blocks.blocks if b.hash is not None and tuple(b.token_ids) in chunks}
+    was_demoted = {h for h, b in named.items() if runner.router.demoted[b]}
+    assert was_demoted
+    before = {h: runner.kv_cache[:, :, b * 16:(b + 1) * 16].clone() for h, b in named.items()}
+    other = eng.encode("Weather report: rain over the hills, then sun in the afternoon. " * 12)[:170]
+    m.generate_batch([other], SamplingParams(max_new_tokens=8, ignore_eos=True))  # needs 11 of the 12 blocks
+    eng.offloader.drain()
+    assert not set(named) & set(eng.blocks.cached)
+    m.generate_batch([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert eng.stats()["cold_hit_tokens"] > 0
+    restored = 0
+    for block in eng.blocks.blocks:
+        if block.hash in was_demoted and eng.blocks.cached.get(block.hash) == block.block_id:
+            assert torch.equal(runner.kv_cache[:, :, block.block_id * 16:(block.block_id + 1) * 16], before[block.hash])
+            restored += 1
+    assert restored
+    eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_router_on_the_gpu_is_deterministic_and_demotes(tiny_dir, mode):
+    runs = []
+    for _ in range(2):
+        m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cuda", dtype="float32", kv_router=mode,
+                                         router_threshold=0.0, **ROUTED))
+        assert m.engine.runner.graphs is None  # eager: the router is not in the CUDA graphs yet
+        ids = [m.engine.encode(PROMPT + f"What is module {i}?") for i in range(3)]
+        runs.append([r.token_ids for r in m.generate_batch(ids, GREEDY)])
+        assert m.engine.runner.router.num_demoted_blocks > 0
+    assert runs[0] == runs[1]

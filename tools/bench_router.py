@@ -1,0 +1,309 @@
+#!/usr/bin/env python3
+"""The token router's worth, measured: KV bytes per token against quality, five KV settings in one run.
+
+  python tools/bench_router.py [--model DIR] [--prompts 4] [--prompt-tokens 640] [--new-tokens 256]
+                               [--json docs/results/router-cpu-<date>.json] [--plot docs/img/router-cpu.png]
+  python tools/bench_router.py --gpu [--shape llama-1b] [--context 4096] [--batch 16] [--json ...]
+
+Settings, all on the same model in the same run: `off` (full-precision KV), `uniform-int8` and
+`uniform-int4` (every sealed block compressed, no token kept: what llama.cpp's -ctk/-ctv q8_0/q4_0
+do, except that the block being filled, at most kv_block_size - 1 tokens, stays full precision),
+`router-int8` and `router-int4` (the router's defaults: threshold 0.85, 4 sink and 128 recent tokens).
+
+Quality (CPU, default): prompts are held-out documentation pages (tools/reference_corpus.py, never
+trained on). `off` generates --new-tokens greedy tokens from each prompt; every other setting is then
+teacher-forced along the same tokens, giving, per step, the KL divergence of its next-token
+distribution from `off`'s and whether its top-1 token agrees; and it also generates freely, giving the
+share of the 256 greedy tokens identical to `off`'s at the same position. KV bytes per token are taken
+from the router's pool shares at the end of each run, as bf16 storage would hold them (the CPU engine
+keeps float32 KV; the ratio is what matters). Needle retrieval: a pass key placed at several depths of
+filler text of several lengths, asked for at the end; and a passage copy (the model is shown a passage
+earlier and given its start at the end; the score is how many of the next 16 tokens it reproduces).
+
+GPU (--gpu): decode tokens/s at --context tokens and --batch sequences, random weights of --shape,
+bf16: `off` on the CUDA-graph decode step, `off` eager, and the four compressed settings (eager: the
+router does not run inside the CUDA graphs yet), with each setting's KV bytes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TOOLS)
+sys.path.insert(0, REPO)
+sys.path.insert(0, TOOLS)
+
+from o3edge.config import O3Config  # noqa: E402
+from o3edge.engine.engine import LLMEngine  # noqa: E402
+from o3edge.engine.kv_quant import bytes_per_vector  # noqa: E402
+from o3edge.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from o3edge.model_path import resolve_model_path  # noqa: E402
+
+# label -> engine settings
+SETTINGS = {
+    "off": dict(kv_router="off"),
+    "uniform-int8": dict(kv_router="int8", router_threshold=0.0, sink_tokens=0, recent_tokens=0),
+    "uniform-int4": dict(kv_router="int4", router_threshold=0.0, sink_tokens=0, recent_tokens=0),
+    "router-int8": dict(kv_router="int8"),
+    "router-int4": dict(kv_router="int4"),
+}
+NEEDLE = ("The pass key is {k}. Remember it. The pass key is {k}.\n", "\nWhat is the pass key? The pass key is")
+
+
+def engine(model_dir: str, label: str, device: str, dtype: str, threads: int | None, **kw) -> LLMEngine:
+    cfg = O3Config(model_path=model_dir, device=device, dtype=dtype, num_threads=threads, **SETTINGS[label], **kw)
+    return LLMEngine(cfg, model_dir)
+
+
+def bytes_per_token(eng: LLMEngine, mode: str, full_share: float, elem: int = 2) -> float:
+    """KV bytes per token with full-precision tokens stored at `elem` bytes (bf16: 2)."""
+    a = eng.info.args
+    full = a.num_layers * 2 * a.num_kv_heads * a.head_dim * elem
+    if mode == "off":
+        return float(full)
+    comp = a.num_layers * 2 * a.num_kv_heads * bytes_per_vector(mode, a.head_dim)
+    return full_share * full + (1 - full_share) * comp
+
+
+def run_tokens(eng: LLMEngine, prompt: list[int], new: int, forced: list[int] | None = None):
+    """Prefill the prompt, then `new` decode steps, feeding `forced` tokens (None: greedy). Returns
+    (logits [new, V], tokens, share of the sequence's tokens in full-precision blocks at the end)."""
+    seq = Sequence("bench", list(prompt), SamplingParams(max_new_tokens=new + 1, ignore_eos=True))
+    eng.blocks.allocate(seq, reuse=False)
+    runner, logits, tokens = eng.runner, [], []
+    try:
+        n = len(seq)
+        for i in range(new):
+            runner.run([(seq, n)])
+            eng.blocks.mark_computed(seq, n)
+            row = runner.last_logits[0].float().cpu()
+            logits.append(row)
+            tok = forced[i] if forced is not None else int(row.argmax())
+            tokens.append(tok)
+            seq.token_ids.append(tok)
+            eng.blocks.append_slot(seq)
+            n = 1
+        share = 1.0
+        if runner.router is not None:
+            ctx = seq.num_computed_tokens
+            used = seq.block_table[:-(-ctx // eng.blocks.block_size)]
+            share = sum(1 for b in used if not runner.router.demoted[b]) / len(used)
+    finally:
+        eng.blocks.free_seq(seq)
+        runner.release(seq)
+    return torch.stack(logits), tokens, share
+
+
+def held_out(tok, n_prompts: int, length: int) -> tuple[list[list[int]], list[int]]:
+    """n_prompts windows of held-out documentation, and more held-out tokens for filler."""
+    import reference_corpus
+
+    _, _, held = reference_corpus.split(reference_corpus.load(None, ("docs",)))
+    ids: list[int] = []
+    for text in held.values():
+        ids += tok.encode(text, add_special_tokens=False)
+    prompts = [ids[i * length:(i + 1) * length] for i in range(n_prompts)]
+    return prompts, ids[n_prompts * length:]
+
+
+def needle_cases(tok, filler: list[int], lengths, depths):
+    """(length, depth, prompt ids, answer text) for the pass-key task."""
+    cases = []
+    for L in lengths:
+        for d in depths:
+            key = str(random.Random(L * 100 + int(d * 100)).randint(10000, 99999))
+            nid = tok.encode(NEEDLE[0].format(k=key), add_special_tokens=False)
+            qid = tok.encode(NEEDLE[1], add_special_tokens=False)
+            body = filler[:L - len(nid) - len(qid)]
+            cut = int(len(body) * d)
+            cases.append((L, d, body[:cut] + nid + body[cut:] + qid, key))
+    return cases
+
+
+def copy_cases(filler: list[int], lengths, depths):
+    """(length, depth, prompt ids, the 16 answer ids): a 48-token passage placed at depth, its first 24
+    tokens repeated at the end."""
+    cases, src = [], filler[len(filler) // 2:]
+    for L in lengths:
+        for d in depths:
+            s = random.Random(L * 10 + int(d * 10)).randint(0, len(src) - 100)
+            passage = src[s:s + 48]
+            body = filler[:L - 48 - 24]
+            cut = int(len(body) * d)
+            cases.append((L, d, body[:cut] + passage + body[cut:] + passage[:24], passage[24:40]))
+    return cases
+
+
+def quality(a) -> dict:
+    model_dir = resolve_model_path(a.model)
+    ref = engine(model_dir, "off", "cpu", "float32", a.threads)
+    tok = ref.tokenizer
+    prompts, filler = held_out(tok, a.prompts, a.prompt_tokens)
+    reference = [run_tokens(ref, p, a.new_tokens) for p in prompts]
+    lengths, depths = [int(x) for x in a.needle_lengths.split(",")], [float(x) for x in a.needle_depths.split(",")]
+    needles, copies = needle_cases(tok, filler, lengths, depths), copy_cases(filler, lengths, depths)
+    rows = {}
+    for label in SETTINGS:
+        t0 = time.perf_counter()
+        eng = ref if label == "off" else engine(model_dir, label, "cpu", "float32", a.threads)
+        mode = SETTINGS[label]["kv_router"]
+        kls, agree, free_same, shares = [], [], [], []
+        for p, (ref_logits, ref_tokens, _) in zip(prompts, reference):
+            logits, _, share = run_tokens(eng, p, a.new_tokens, forced=ref_tokens)
+            logp_ref, logp = F.log_softmax(ref_logits, -1), F.log_softmax(logits, -1)
+            kls += (logp_ref.exp() * (logp_ref - logp)).sum(-1).tolist()
+            agree += (logits.argmax(-1) == ref_logits.argmax(-1)).tolist()
+            _, free, _ = run_tokens(eng, p, a.new_tokens)
+            free_same.append(sum(x == y for x, y in zip(free, ref_tokens)) / len(ref_tokens))
+            shares.append(share)
+        needle = []
+        for L, d, ids, key in needles:
+            _, out, _ = run_tokens(eng, ids, 8)
+            needle.append({"length": L, "depth": d, "found": key in tok.decode(out).replace(" ", "")})
+        copy = []
+        for L, d, ids, ans in copies:
+            _, out, _ = run_tokens(eng, ids, 16)
+            k = 0
+            while k < 16 and out[k] == ans[k]:
+                k += 1
+            copy.append({"length": L, "depth": d, "tokens_copied": k})
+        share = sum(shares) / len(shares)
+        rows[label] = {
+            "kv_bytes_per_token_bf16": round(bytes_per_token(eng, mode, share), 1),
+            "kv_bytes_vs_bf16": round(bytes_per_token(eng, mode, share) / bytes_per_token(eng, "off", 1.0), 4),
+            "full_precision_token_share": round(share, 4),
+            "mean_kl_nats": sum(kls) / len(kls), "max_kl_nats": max(kls),
+            "top1_agreement_forced": sum(agree) / len(agree),
+            "greedy_agreement_free": sum(free_same) / len(free_same),
+            "greedy_agreement_free_per_prompt": free_same,
+            "needle_found": sum(n["found"] for n in needle) / len(needle), "needle": needle,
+            "copy_tokens_mean": sum(c["tokens_copied"] for c in copy) / len(copy), "copy": copy,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        print(label, {k: v for k, v in rows[label].items() if not isinstance(v, list)}, flush=True)
+    a_ = ref.info.args
+    model = os.path.relpath(model_dir, REPO) if model_dir.startswith(REPO) else model_dir
+    return {"mode": "cpu-quality", "model": model,
+            "model_shape": {"layers": a_.num_layers, "kv_heads": a_.num_kv_heads, "head_dim": a_.head_dim,
+                            "max_position_embeddings": a_.max_position_embeddings},
+            "prompts": a.prompts, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
+            "kv_block_size": ref.config.kv_block_size, "settings": SETTINGS, "results": rows}
+
+
+def gpu(a) -> dict:
+    from make_tiny_model import SHAPES
+
+    from o3edge.tiny import make_checkpoint
+
+    path = os.path.join(a.workdir, a.shape)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_checkpoint(path, **SHAPES[a.shape])
+    rows = {}
+    budget = a.batch * (a.context + a.steps + 64) // 32 + 8  # blocks for the batch (plus room)
+    runs = [("off (CUDA graphs)", "off", True), ("off (eager)", "off", False)]
+    runs += [(label, label, False) for label in SETTINGS if label != "off"]
+    for name, label, graphs in runs:
+        eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, num_kv_blocks=budget,
+                     max_num_seqs=a.batch, max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
+        g = torch.Generator().manual_seed(0)
+        vocab = eng.info.args.vocab_size
+        for i in range(a.batch):
+            ids = torch.randint(1, vocab, (a.context,), generator=g).tolist()
+            eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
+        while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()  # prefill everything (the first tokens)
+        torch.cuda.synchronize()
+        t0, n = time.perf_counter(), 0
+        while eng.has_unfinished_requests():
+            _, rep = eng.step()
+            n += rep.num_decode_tokens if rep else 0
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        st = eng.stats()
+        rows[name] = {"decode_tokens_per_s": round(n / dt, 1), "decode_tokens": n,
+                      "kv_bytes_per_token": st.get("kv_bytes_per_token"),
+                      "compressed_share": st.get("kv_tokens_compressed_share", 0.0)}
+        print(name, rows[name], flush=True)
+        del eng
+        torch.cuda.empty_cache()
+    return {"mode": "gpu-decode", "shape": a.shape, "context": a.context, "batch": a.batch, "steps": a.steps,
+            "device": torch.cuda.get_device_name(), "results": rows}
+
+
+def table(r: dict) -> str:
+    lines = ["| KV setting | KV bytes/token (bf16 storage) | vs bf16 | tokens kept full precision "
+             "| mean KL vs off (nats) | top-1 agreement (teacher-forced) | greedy agreement, 256 tokens "
+             "| pass key found | passage copy (of 16) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, x in r["results"].items():
+        lines.append(f"| {label} | {x['kv_bytes_per_token_bf16']:.0f} | {x['kv_bytes_vs_bf16']:.3f} "
+                     f"| {x['full_precision_token_share']:.1%} | {x['mean_kl_nats']:.5f} "
+                     f"| {x['top1_agreement_forced']:.2%} "
+                     f"| {x['greedy_agreement_free']:.2%} | {x['needle_found']:.0%} | {x['copy_tokens_mean']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(r: dict, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, x in r["results"].items():
+        kl = max(x["mean_kl_nats"], 1e-7)
+        ax.scatter(x["kv_bytes_vs_bf16"], kl, s=40)
+        ax.annotate(label, (x["kv_bytes_vs_bf16"], kl), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("KV bytes per token, relative to bf16")
+    ax.set_ylabel("mean KL vs off, nats (off drawn at 1e-7)")
+    ax.set_title(f"Token router, {os.path.basename(r['model'])}: quality against KV memory", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in reference model)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=640)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--needle-lengths", default="256,512,896")
+    ap.add_argument("--needle-depths", default="0.1,0.5,0.9")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gpu", action="store_true", help="decode speed on the GPU instead of quality on the CPU")
+    ap.add_argument("--shape", default="llama-1b")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--workdir", default="/tmp/o3edge-bench-router")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    r = gpu(a) if a.gpu else quality(a)
+    r.update(date=datetime.date.today().isoformat(), machine=platform.machine(), python=platform.python_version(),
+             torch=torch.__version__)
+    if not a.gpu:
+        print(table(r))
+        if a.plot:
+            plot(r, a.plot)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(r, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
