@@ -22,7 +22,6 @@ from aiohttp import web
 from o3edge.http import schema as S
 from o3edge.http.door import LocalDoor
 from o3edge.ipc import protocol as P
-from o3edge.ipc.replies import engine_info
 
 if TYPE_CHECKING:
     from o3edge.http.config import HttpSettings
@@ -59,7 +58,7 @@ class Routes:
             raise S.HttpError(503, P.UNAVAILABLE, f"the engine is {self.server.state}; no model is served yet")
         return web.json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": self.created, "owned_by": "o3edge",
-             "max_model_len": self.server.loop.engine.info.max_model_len}]})
+             "max_model_len": self.server.loop.view.max_model_len}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = self.metrics_text() if self.metrics_text else b""
@@ -67,9 +66,10 @@ class Routes:
 
     def model_name(self) -> str | None:
         """The served model's name (its directory's), None until the engine is loaded."""
-        if self.server.loop.state != "ready":
+        view = self.server.loop.view  # the engine loop's published facts: the engine is its thread's alone
+        if self.server.loop.state != "ready" or view is None:
             return None
-        return engine_info(self.server.loop.engine)["model"]
+        return view.model["model"]
 
     # ---- generation -------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:

@@ -5,6 +5,7 @@ import socket
 import pytest
 
 from tests.ipc.conftest import DaemonProcess
+from tools.daemon_process import merge
 
 
 def free_port() -> int:
@@ -14,15 +15,17 @@ def free_port() -> int:
 
 
 class HttpDaemon(DaemonProcess):
-    """An o3edged with [http] on; `url` is its OpenAI base URL (http://127.0.0.1:PORT/v1)."""
+    """An o3edged with [http] on; `url` is its OpenAI base URL (http://127.0.0.1:PORT/v1).
 
-    def __init__(self, directory, model_dir, name="o3.sock", http_extra="", extra="", port=None, **kw):
+    `tables` ({"engine": {...}, "http": {...}, "upstream": {...}}) are merged over [http] enabled on `port`.
+    """
+
+    def __init__(self, directory, model_dir, name="o3.sock", tables=None, port=None, **kw):
         self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"
-        server_extra = kw.pop("server_extra", "")
-        http = f'\n[http]\nenabled = true\nlisten = "127.0.0.1:{self.port}"\n{http_extra}\n{extra}\n'
-        super().__init__(directory, model_dir, name, server_extra=server_extra + http, **kw)
+        http = {"http": {"enabled": True, "listen": f"127.0.0.1:{self.port}"}}
+        super().__init__(directory, model_dir, name, merge(http, tables or {}), **kw)
 
 
 def start_http_daemon(directory, model_dir, **kw) -> HttpDaemon:

@@ -17,9 +17,9 @@ LONG = dict(max_tokens=4000, temperature=0, stream=True, extra_body={"ignore_eos
 @pytest.fixture(scope="module")
 def small(tmp_path_factory, tiny_dir):
     """A daemon that holds one running and one waiting request, 4 connections, 1 s to send headers."""
-    d = start_http_daemon(tmp_path_factory.mktemp("http-limits"), tiny_dir, engine_extra="max_num_seqs = 1",
-                          server_extra="queue_max_requests = 1",
-                          http_extra="max_connections = 4\nheader_timeout_s = 1.0\nmax_header_bytes = 1024")
+    d = start_http_daemon(tmp_path_factory.mktemp("http-limits"), tiny_dir,
+                          tables={"engine": {"max_num_seqs": 1}, "server": {"queue_max_requests": 1},
+                                  "http": {"max_connections": 4, "header_timeout_s": 1.0, "max_header_bytes": 1024}})
     yield d
     d.stop()
 

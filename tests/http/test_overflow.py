@@ -10,7 +10,7 @@ from o3edge.ipc.client import O3Client, RequestError
 from tests.helpers import wait_for
 from tests.http.conftest import HttpDaemon, free_port, start_http_daemon
 
-POLICY = 'policy = { critical = "local", high = "prefer-upstream", normal = "overflow", low = "overflow" }'
+POLICY = {"critical": "local", "high": "prefer-upstream", "normal": "overflow", "low": "overflow"}
 ASK = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
@@ -19,10 +19,11 @@ def pair(tmp_path_factory, tiny_dir):
     """(device, upstream): the device runs one sequence and queues one; the rest overflows upstream."""
     directory = tmp_path_factory.mktemp("overflow")
     upstream = start_http_daemon(directory, tiny_dir, name="up.sock")
-    device = start_http_daemon(directory, tiny_dir, name="dev.sock", engine_extra="max_num_seqs = 1",
-                               server_extra="queue_max_requests = 1",
-                               extra=f'[upstream]\nurl = "{upstream.url}"\nmodel = "llama-tied"\n'
-                                     f"breaker_threshold = 1\nbreaker_cooldown_s = 1.0\n{POLICY}\n")
+    device = start_http_daemon(directory, tiny_dir, name="dev.sock",
+                               tables={"engine": {"max_num_seqs": 1}, "server": {"queue_max_requests": 1},
+                                       "upstream": {"url": upstream.url, "model": "llama-tied",
+                                                    "breaker_threshold": 1, "breaker_cooldown_s": 1.0},
+                                       "upstream.policy": POLICY})
     state = {"upstream": upstream}
     yield device, state
     device.stop()
@@ -121,7 +122,7 @@ def test_upstream_down_then_back(pair, tiny_dir):
 
 def test_bad_upstream_setting_is_a_config_error(tmp_path, tiny_dir):
     d = HttpDaemon(str(tmp_path), tiny_dir, port=free_port(),
-                   extra='[upstream]\nurl = "http://127.0.0.1:9/v1"\nmodel = "m"\napi_key_file = "/no/such/key"\n')
+                   tables={"upstream": {"url": "http://127.0.0.1:9/v1", "model": "m", "api_key_file": "/no/such/key"}})
     d.start()
     assert d.proc.wait(30) == 78 and "api_key_file" in d.log()
     d.stop()
