@@ -62,6 +62,13 @@ def _attend_block(q, m, l_sum, acc, n0, end, meta, k_cache_ptr, v_cache_ptr, str
     else:
         s = tl.dot(q, tl.trans(k))
     s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, BLOCK_N]
+    return softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
+
+
+@triton.jit
+def softmax_step(s, v, m, l_sum, acc, IEEE: tl.constexpr, dtype):
+    """One tile of an online softmax: scores s [rows, keys] (masked: -inf; every row has seen a key by
+    its first tile), values v [keys, hd] -> the running max, sum and weighted values."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m - m_new)

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels.decode_attention import softmax_step
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -35,16 +37,8 @@ def _tile(q, m, l_sum, acc, n0, q_pos, kv_end, table, k_cache_ptr, v_cache_ptr, 
     else:
         s = tl.dot(q, tl.trans(k))
     ok = n_mask[None, :] & (offs[None, :] <= q_pos[:, None])  # causal: up to the query's own position
-    s = tl.where(ok, s * sm_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
-    alpha = tl.exp(m - m_new)
-    l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
-    return m_new, l_sum, acc
+    s = tl.where(ok, s * sm_scale, float("-inf"))  # key 0 is in every row's first tile
+    return softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
 
 
 @triton.jit
