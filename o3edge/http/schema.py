@@ -16,8 +16,10 @@ import time
 from typing import Mapping
 
 from o3edge.ipc import protocol as P
+from o3edge.policy import RequestLimits
 
 CHAT, COMPLETION = "chat", "completion"
+NO_LIMIT = RequestLimits().max_new_tokens  # a chat's max_tokens when it names none: the most a request may ask
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 STATUS = {P.INVALID_REQUEST: 400, P.BAD_MESSAGE: 400, P.UNSUPPORTED_VERSION: 400, P.UNKNOWN_OP: 400,
           P.PROMPT_TOO_LONG: 400, P.BUSY: 429, P.TOO_MANY_REQUESTS: 429, P.UNAVAILABLE: 503,
@@ -61,7 +63,7 @@ def to_generate(body: object, kind: str, request_id: str, headers: Mapping[str, 
         msg["messages"] = _messages(body.get("messages"))
     else:
         msg["prompt"] = _prompt(body.get("prompt"))
-    default_max = P.MAX_TOKENS if kind == CHAT else COMPLETIONS_DEFAULT_MAX_TOKENS
+    default_max = NO_LIMIT if kind == CHAT else COMPLETIONS_DEFAULT_MAX_TOKENS
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     msg["max_tokens"] = default_max if max_tokens is None else max_tokens
     msg["temperature"] = 1.0 if body.get("temperature") is None else body["temperature"]

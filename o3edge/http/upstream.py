@@ -19,6 +19,7 @@ import aiohttp
 
 from o3edge.errors import ConfigError
 from o3edge.http.config import UpstreamSettings
+from o3edge.http.schema import NO_LIMIT
 from o3edge.ipc import protocol as P
 
 MAX_LINE = 1 << 20
@@ -46,7 +47,7 @@ def request_body(req: P.GenerateRequest, model: str) -> tuple[str, dict]:
     """(path, JSON body) of the upstream request for `req`."""
     body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True},
                   "temperature": req.temperature, "top_p": req.top_p}
-    if req.max_tokens != P.MAX_TOKENS:  # the HTTP door's "no limit": leave it to the upstream's context
+    if req.max_tokens != NO_LIMIT:  # the HTTP door's "no limit": leave it to the upstream's context
         body["max_tokens"] = req.max_tokens
     if req.seed is not None:
         body["seed"] = req.seed

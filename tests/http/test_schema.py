@@ -6,6 +6,7 @@ from o3edge.http import schema as S
 from o3edge.errors import ConfigError
 from o3edge.http.config import HttpSettings, UpstreamSettings
 from o3edge.ipc import protocol as P
+from o3edge.policy import RequestLimits
 from o3edge.settings import load_settings
 
 USER = [{"role": "user", "content": "hi"}]
@@ -13,7 +14,7 @@ USER = [{"role": "user", "content": "hi"}]
 
 def test_openai_defaults_not_the_zeromq_ones():
     chat = S.to_generate({"messages": USER}, S.CHAT, "a", {})
-    assert chat.temperature == 1.0 and chat.max_tokens == P.MAX_TOKENS and chat.stream is False
+    assert chat.temperature == 1.0 and chat.max_tokens == S.NO_LIMIT == RequestLimits().max_new_tokens and chat.stream is False
     done = S.to_generate({"prompt": "x"}, S.COMPLETION, "b", {})
     assert done.max_tokens == 16 and done.prompt == "x"
 
