@@ -1,12 +1,12 @@
 """A compiled CPU decode step (opt-in, `[engine] cpu_compile = true`): the whole batch-1..8 forward of a
 quantized engine as one torch.compile (Inductor, C++) graph instead of ~900 eager ops.
 
-What the graph holds: embedding, fused RMSNorms, the INT8 / INT4 linears (torch's `_weight_int8pack_mm`
-and `_weight_int4pack_mm_for_cpu`, bf16 activations: the fbgemm kernel's packed weight is an opaque
-object the compiler cannot trace, so INT8 layers are re-laid out for int8pack), RoPE, SiLU and the
-residual adds, fused into a few C++ loops per layer. What it leaves out: the KV write and attention,
-one custom op per layer (`o3edge::span_decode_attention`) that runs the eager span attention of
-cpu_decode.py on views of the live prefix. Span ends travel as tensors (slot and position of each new
+What the graph holds: embedding, fused RMSNorms, RoPE, SiLU and the residual adds, fused into a few C++
+loops per layer, and the INT4 linears (`_weight_int4pack_mm_for_cpu`). INT8 layers keep fbgemm (at batch
+1 it beats `_weight_int8pack_mm` 1.5-10x per layer shape on this CPU); its packed weight is an object the
+compiler cannot trace, so the graph calls each layer by number through one custom op. The KV write and
+attention are one custom op per layer (`o3edge::span_decode_attention`) that runs the eager span
+attention of cpu_decode.py on views of the live prefix. Span ends travel as tensors (slot and position of each new
 token), so the graph never specializes on a context length: one graph for batch 1 and one (dynamic in
 the batch) for 2..8, compiled at warm-up.
 
@@ -31,7 +31,14 @@ from o3edge.engine.quant import Int4Linear
 log = logging.getLogger(__name__)
 
 
-@torch.library.custom_op("o3edge::span_decode_attention", mutates_args=("kv_cache",))
+# defined through torch.library.Library, not torch.library.custom_op: the latter's Python wrapper costs
+# ~50 us more per call, and a step makes ~150 calls
+_LIB = torch.library.Library("o3edge", "DEF")
+_LIB.define("span_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, int layer, Tensor slots, "
+            "Tensor positions) -> Tensor")
+_LIB.define("fbgemm_int8_linear(Tensor x, int layer) -> Tensor")
+
+
 def span_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                           slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Write the new tokens' k, v [B, KVH, hd] at slots [B] of layer's cache, attend q [B, H, hd] to each
@@ -43,9 +50,35 @@ def span_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     return span_attention(q, k_cache, v_cache, spans)
 
 
-@span_decode_attention.register_fake
+@torch.library.register_fake("o3edge::span_decode_attention")
 def _(q, k, v, kv_cache, layer, slots, positions):
     return torch.empty_like(q)
+
+
+# (packed weight, reduce_range, N) of every fbgemm layer of a compiled engine, for the life of the process
+# (the same objects the layers hold: no copy); the graph calls them by index
+_FBGEMM_LAYERS: list[tuple] = []
+
+
+def fbgemm_int8_linear(x: torch.Tensor, layer: int) -> torch.Tensor:
+    """x [M, K] float32, contiguous -> [M, N] through fbgemm INT8 layer number `layer` (its packed weight is an object
+    the compiler cannot trace, so the graph calls it by number)."""
+    packed, reduce_range, _ = _FBGEMM_LAYERS[layer]
+    return torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
+
+
+@torch.library.register_fake("o3edge::fbgemm_int8_linear")
+def _(x, layer):
+    return x.new_empty(x.shape[0], _FBGEMM_LAYERS[layer][2])
+
+
+_LIB.impl("span_decode_attention", span_decode_attention, "CPU")
+_LIB.impl("fbgemm_int8_linear", fbgemm_int8_linear, "CPU")
+
+
+def _linear(mod, x: torch.Tensor) -> torch.Tensor:
+    handle = getattr(mod, "fbgemm_handle", None)
+    return mod(x) if handle is None else torch.ops.o3edge.fbgemm_int8_linear(x.contiguous(), handle)
 
 
 def _rms(x: torch.Tensor, norm) -> torch.Tensor:
@@ -62,7 +95,7 @@ def decode_step(model, input_ids: torch.Tensor, positions: torch.Tensor, slots: 
     x = model.embed(input_ids)
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.attn, layer.mlp
-        qkv = attn.qkv(_rms(x, layer.input_norm)).view(B, H + 2 * KVH, hd)
+        qkv = _linear(attn.qkv, _rms(x, layer.input_norm)).view(B, H + 2 * KVH, hd)
         qk, v = qkv[:, :H + KVH], qkv[:, H + KVH:]
         if attn.q_norm is not None:
             qk = torch.cat((_rms(qk[:, :H], attn.q_norm), _rms(qk[:, H:], attn.k_norm)), dim=1)
@@ -70,23 +103,21 @@ def decode_step(model, input_ids: torch.Tensor, positions: torch.Tensor, slots: 
         qk = qk * cos + torch.cat((-x2, x1), dim=-1) * sin
         out = torch.ops.o3edge.span_decode_attention(qk[:, :H].contiguous(), qk[:, H:].contiguous(),
                                                      v.contiguous(), kv_cache, i, slots, positions)
-        x = x + attn.o(out.reshape(B, H * hd))
-        gate, up = mlp.gate_up(_rms(x, layer.post_norm)).chunk(2, dim=-1)
-        x = x + mlp.down(F.silu(gate) * up)
+        x = x + _linear(attn.o, out.reshape(B, H * hd))
+        gate, up = _linear(mlp.gate_up, _rms(x, layer.post_norm)).chunk(2, dim=-1)
+        x = x + _linear(mlp.down, F.silu(gate) * up)
     x = _rms(x, model.norm)
-    logits = F.linear(x, model.embed.weight) if model.lm_head is None else model.lm_head(x)
+    logits = F.linear(x, model.embed.weight) if model.lm_head is None else _linear(model.lm_head, x)
     return logits.float()
 
 
-def to_int8pack(model) -> int:
-    """Re-lay every fbgemm INT8 layer out for `_weight_int8pack_mm` (same int8 values and scales); the
-    packed fbgemm weight is dropped. Returns how many layers changed."""
+def register_fbgemm(model) -> int:
+    """Number the model's fbgemm INT8 layers for fbgemm_int8_linear; returns how many."""
     n = 0
     for mod in model.modules():
-        if isinstance(mod, Int8Linear) and mod.kernel == "fbgemm":
-            qt, _ = torch.ops.quantized.linear_unpack(mod.packed)
-            mod.weight, mod.scales = qt.int_repr().contiguous(), qt.q_per_channel_scales().to(torch.bfloat16)
-            mod.kernel, mod.packed = "int8pack", None
+        if isinstance(mod, Int8Linear) and mod.kernel == "fbgemm" and getattr(mod, "fbgemm_handle", None) is None:
+            mod.fbgemm_handle = len(_FBGEMM_LAYERS)
+            _FBGEMM_LAYERS.append((mod.packed, mod.reduce_range, mod.out_features))
             n += 1
     return n
 
@@ -115,7 +146,7 @@ class CompiledDecode:
         self.model, self.max_batch = model, max_batch
         self.cache_dir = inductor_cache_dir()
         Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
-        to_int8pack(model)
+        register_fbgemm(model)  # fbgemm beats int8pack at every decode shape here (tools/bench_cpu_kernels.py)
         self._step = torch.compile(decode_step, fullgraph=True)
         self.warmup_seconds: dict[int, float] = {}
 
