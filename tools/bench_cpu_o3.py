@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--label", default=None)
     ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--compile", action="store_true", help="[engine] cpu_compile: the compiled decode step")
     ap.add_argument("--out")
     a = ap.parse_args()
     prompt = json.load(open(a.prompt))
@@ -80,7 +81,8 @@ def main() -> None:
     from o3edge import O3Config, O3Model
 
     engine = O3Model.from_config(O3Config(model_path=a.model, device="cpu", dtype=a.dtype, num_threads=a.threads,
-                                          kv_cache_memory_mb=64, max_model_len=1024)).engine
+                                          kv_cache_memory_mb=64, max_model_len=1024,
+                                          cpu_compile=a.compile)).engine
     load_s = time.perf_counter() - t
     rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     prompts = [prompt[16 * i:] + prompt[:16 * i] for i in range(a.warmup + a.runs)]
@@ -94,7 +96,7 @@ def main() -> None:
     res = dict(system="o3edge", label=a.label or os.path.basename(a.model.rstrip("/")),
                model=os.path.abspath(a.model), prompt_len=len(prompt), new_tokens=a.new, threads=a.threads,
                dtype=engine.info.dtype, timing="wall clock (perf_counter) around add_request + LLMEngine.step",
-               load_s=load_s, rss_after_load_mb=rss_after_load, peak_rss_mb=peak,
+               load_s=load_s, cpu_compile=a.compile, rss_after_load_mb=rss_after_load, peak_rss_mb=peak,
                loadavg_start=load0, loadavg_end=os.getloadavg(), torch=torch.__version__,
                capability=torch.backends.cpu.get_cpu_capability(), summary=summary, runs=runs)
     if a.profile:

@@ -5,7 +5,9 @@
 # definitions: batch 1, 2 threads, the peers' 128-token prompt, 128 greedy tokens, 1 warm-up + 3 timed runs,
 # whole generations timed from outside the engine, peak RSS of the process. PASSES rounds, each system once
 # per round, so slow phases of this shared machine hit every system alike.
-# Usage: [PASSES=3] [THREADS=2] [FP32=1] bash tools/bench_cpu_peers.sh [OUT_DIR] [JSON]   (FP32=0: no float32 row)
+# Usage: [PASSES=3] [THREADS=2] [FP32=1] [COMPILE=0] bash tools/bench_cpu_peers.sh [OUT_DIR] [JSON]
+#   FP32=0: no float32 row; COMPILE=1: a cpu-int8 row with [engine] cpu_compile (its load includes compiling
+#   or loading the Inductor cache, which is not timed in the table)
 set -euo pipefail
 WORK=${WORK:-/tmp/peer-cpu}
 PASSES=${PASSES:-3}
@@ -26,9 +28,9 @@ llama() {  # name quant pass
   "$WORK/venv/bin/python" "$PEERS/bench_llamacpp.py" "$WORK/gguf/smol-135m-$2.gguf" "$PROMPT" --runs 3 --warmup 1 \
     --threads "$THREADS" --out "$OUT/pass$3/$1.json" > /dev/null
 }
-o3() {  # name model pass
+o3() {  # name model pass [extra bench_cpu_o3.py flags]
   PYTHONPATH="$HERE/.." $PY "$HERE/bench_cpu_o3.py" "$2" "$PROMPT" --runs 3 --warmup 1 --threads "$THREADS" \
-    --label "$1" --profile 15 --out "$OUT/pass$3/$1.json" > /dev/null 2>&1
+    --label "$1" --profile 15 --out "$OUT/pass$3/$1.json" "${@:4}" > /dev/null 2>&1
 }
 for p in $(seq 1 "$PASSES"); do
   mkdir -p "$OUT/pass$p"
@@ -37,7 +39,8 @@ for p in $(seq 1 "$PASSES"); do
   o3 "o3edge cpu-int8" "$WORK/o3/smol-135m-cpu-int8" "$p"
   llama "llama.cpp Q8_0" Q8_0 "$p"
   o3 "o3edge cpu-int4" "$WORK/o3/smol-135m-cpu-int4" "$p"
+  [ "${COMPILE:-0}" = 0 ] || o3 "o3edge cpu-int8 compiled" "$WORK/o3/smol-135m-cpu-int8" "$p" --compile
   [ "${FP32:-1}" = 0 ] || o3 "o3edge fp32" "$CKPT" "$p"
 done
 $PY "$HERE/bench_cpu_report.py" "$OUT" --json "$JSON" \
-  --command "PASSES=$PASSES THREADS=$THREADS FP32=${FP32:-1} bash tools/bench_cpu_peers.sh" | tee "$OUT/table.md"
+  --command "PASSES=$PASSES THREADS=$THREADS FP32=${FP32:-1} COMPILE=${COMPILE:-0} bash tools/bench_cpu_peers.sh" | tee "$OUT/table.md"

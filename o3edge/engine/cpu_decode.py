@@ -31,6 +31,7 @@ class CpuDecode:
     def __init__(self, block_size: int, max_batch: int = 8, fast_forward: bool = False):
         self.block_size, self.max_batch = block_size, max_batch
         self.fast_forward = fast_forward  # run decode_forward instead of the model's own forward
+        self.compiled = None  # cpu_compiled.CompiledDecode when [engine] cpu_compile is on
 
     def prepare(self, batch):
         """(input ids [B], positions [B], StepBatch with kv_spans) or None."""

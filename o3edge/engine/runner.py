@@ -75,6 +75,17 @@ class ModelRunner:
         self.graphs = self.prefill_graphs = self.cpu_decode = None
         self.paged_prefill = False  # the router attends over the gathered keys and its compressed pool
 
+    def enable_cpu_compile(self, max_batch: int) -> None:
+        """Decode steps of a quantized CPU engine through the compiled step (cpu_compiled.py), warmed up now."""
+        from o3edge.engine.cpu_compiled import CompiledDecode, compilable
+
+        if self.cpu_decode is None or not compilable(self.model):
+            log.info("cpu_compile: not a quantized CPU engine; decode stays eager")
+            return
+        compiled = CompiledDecode(self.model, min(max_batch, self.cpu_decode.max_batch))
+        compiled.warm_up(self.cos, self.sin, self.kv_cache, self.scratch_slot)
+        self.cpu_decode.compiled = compiled
+
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
         """Compute the new tokens' K/V and sample a token for each sequence whose prompt is now done."""
@@ -99,6 +110,8 @@ class ModelRunner:
                 input_ids, positions, step = prepared or self.prepare(batch)
                 fast = prepared and self.cpu_decode.fast_forward
                 forward = partial(decode_forward, self.model) if fast else self.model
+                if prepared and self.cpu_decode.compiled is not None:
+                    forward = self.cpu_decode.compiled
                 logits = forward(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy (None: overwritten)
         if picked is None:
