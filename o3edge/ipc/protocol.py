@@ -152,10 +152,10 @@ def decode(frame: bytes, max_bytes: int) -> object:
 def parse(frame: bytes, max_bytes: int, limits: RequestLimits = RequestLimits()
           ) -> Request | CancelRequest | GenerateRequest:
     """Decode and validate one request frame into a typed request, or raise ProtocolError."""
-    return validate(decode(frame, max_bytes))
+    return validate(decode(frame, max_bytes), limits)
 
 
-def validate(msg: object) -> Request | CancelRequest | GenerateRequest:
+def validate(msg: object, limits: RequestLimits = RequestLimits()) -> Request | CancelRequest | GenerateRequest:
     """Validate one decoded request map (from a frame, or built by the HTTP door) into a typed request."""
     if not isinstance(msg, dict):
         raise ProtocolError(BAD_MESSAGE, f"a request must be a msgpack map, got {_kind(msg)}")
