@@ -29,6 +29,9 @@ from o3edge.policy import Policy
 BACKGROUND_SHARE = 8  # a less important prefill gets 1/8 of a step's tokens while more important work is on
 
 
+WAIT_AVERAGE = 0.25  # weight of the newest queue wait in a class's moving average
+
+
 def _key(seq: Sequence):
     return (seq.priority, seq.deadline if seq.deadline is not None else math.inf, seq.arrival_time, seq.seq_id)
 
@@ -44,6 +47,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.expired: list[Sequence] = []  # ended here (deadline, displaced) since the engine last looked
         self.num_preemptions = 0
+        self.recent_wait_s = {p: 0.0 for p in Priority}  # moving average of each class's queue waits
         self.set_window(0, 1)
         self.set_policy(policy or Policy())
 
@@ -170,9 +174,24 @@ class Scheduler:
             self.running.append(seq)
             if not seq.was_admitted:
                 seq.was_admitted = True
+                self._note_wait(seq.priority, now - seq.enqueue_time)
                 if not seq.wait_timed_out:
                     self.breakers[seq.priority].record_success(now)
             batch[seq] = min(seq.num_uncomputed, self.token_budget - sum(batch.values()))
+
+    def _note_wait(self, priority: Priority, waited_s: float) -> None:
+        avg = self.recent_wait_s[priority]
+        self.recent_wait_s[priority] = waited_s if avg == 0.0 else avg + WAIT_AVERAGE * (waited_s - avg)
+
+    def estimated_wait_ms(self, priority: Priority) -> float:
+        """How long a request of this class arriving now would wait to start, by the queue's own figures:
+        0 while nothing of its class or a more important one waits and the class has room; otherwise
+        the moving average of the class's recent queue waits (WAIT_AVERAGE weight on the newest)."""
+        ahead = any(s.priority <= priority for s in self.waiting)
+        if not ahead and len(self.running) < self.max_num_seqs \
+                and self._class_running(priority) < self.policy[priority].max_concurrent:
+            return 0.0
+        return self.recent_wait_s[priority] * 1000
 
     def _class_running(self, priority: Priority) -> int:
         return sum(1 for s in self.running if s.priority == priority)
@@ -214,5 +233,6 @@ class Scheduler:
     def stats(self) -> dict:
         now = self.clock()
         return {p.name.lower(): {"waiting": sum(1 for s in self.waiting if s.priority == p),
-                                 "running": self._class_running(p), "breaker": self.breakers[p].stats(now)}
+                                 "running": self._class_running(p), "breaker": self.breakers[p].stats(now),
+                                 "est_wait_ms": round(self.estimated_wait_ms(p), 1)}
                 for p in Priority}

@@ -52,7 +52,8 @@ class Overflow:
 
     # ---- decisions (IPC server lock held) -----------------------------------------------------
     def choose(self, req: P.GenerateRequest, busy: bool, classes: dict | None) -> str | None:
-        """Why `req` should go upstream ("prefer", "busy", "breaker"), or None to serve it here."""
+        """Why `req` should go upstream ("prefer", "busy", "breaker", "deadline": the queue's own wait
+        estimate for its class is past its deadline), or None to serve it here."""
         policy = self.policy[req.priority]
         if policy == "local":
             return None
@@ -60,8 +61,11 @@ class Overflow:
             return "prefer"
         if busy:
             return "busy"
-        local_breaker = ((classes or {}).get(req.priority) or {}).get("breaker") or {}
-        return "breaker" if local_breaker.get("state") == OPEN else None
+        figures = (classes or {}).get(req.priority) or {}
+        if (figures.get("breaker") or {}).get("state") == OPEN:
+            return "breaker"
+        late = req.deadline_ms is not None and figures.get("est_wait_ms", 0.0) >= req.deadline_ms
+        return "deadline" if late else None
 
     def forward(self, rid: str, req: P.GenerateRequest, received: float, reason: str) -> bool:
         """Start serving `req` upstream; False (serve it here) while the breaker is open or the cap is reached."""

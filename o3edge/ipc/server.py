@@ -338,7 +338,7 @@ class IPCServer:
         lane.put(identity, req.priority, Pending(rid, identity, req, now))
 
     def _route(self, req: P.GenerateRequest, problem: tuple[str, str] | None) -> str | None:
-        """Why this request goes upstream ("prefer", "busy", "breaker"), or None to serve it here."""
+        """Why this request goes upstream ("prefer", "busy", "breaker", "deadline"), or None to serve it here."""
         if self.overflow is None or (problem and problem[0] != P.BUSY):
             return None
         return self.overflow.choose(req, busy=problem is not None, classes=self.loop.snapshot.get("classes"))

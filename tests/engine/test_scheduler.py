@@ -249,3 +249,26 @@ def test_a_waiting_critical_request_takes_the_budget_from_a_low_prefill():
     assert batch[crit] == 1 and batch[low] <= 64 // 8  # while critical decodes, low's chunks stay small
     sched.finish(crit, "stop")
     assert dict(sched.schedule())[low] == 64  # alone again: the whole budget
+
+
+def test_wait_estimate_follows_the_queue():
+    """A class's estimated wait is 0 while it would start at once, else the moving average of its recent
+    queue waits; `stats` reports it per class (the HTTP door's overflow uses it against deadlines)."""
+    sched, clock = make(max_seqs=1)
+    assert sched.estimated_wait_ms(N) == 0.0
+    first, second, third = seq("a"), seq("b"), seq("c")
+    for s in (first, second, third):
+        sched.add(s)
+    step(sched, sched.schedule())  # a starts at once: a wait of 0
+    clock.t += 0.4
+    sched.finish(first, "length")
+    step(sched, sched.schedule())  # b waited 0.4 s
+    assert sched.estimated_wait_ms(N) == pytest.approx(400.0)  # c still waits behind b
+    assert sched.stats()["normal"]["est_wait_ms"] == pytest.approx(400.0)
+    assert sched.estimated_wait_ms(H) == 0.0  # no queue wait seen in that class yet
+    clock.t += 0.8
+    sched.finish(second, "length")
+    step(sched, sched.schedule())  # c waited 1.2 s: the average moves a quarter of the way
+    assert sched.recent_wait_s[N] == pytest.approx(0.4 + 0.25 * (1.2 - 0.4))
+    sched.finish(third, "length")
+    assert sched.estimated_wait_ms(N) == 0.0  # nothing waits and there is room again

@@ -78,3 +78,19 @@ def test_settings_are_checked():
         UpstreamSettings(url="x:8000", model="m")
     with pytest.raises(ConfigError, match="upstream.policy.normal"):
         load_settings(None, {"O3EDGE_UPSTREAM_POLICY_NORMAL": "sometimes"}, {})
+
+
+def test_overflow_sends_a_request_whose_deadline_the_queue_cannot_meet_upstream():
+    """With the overflow policy, a request goes upstream when its class's estimated queue wait (the
+    scheduler's stats) is past its deadline_ms; without a deadline, or with time to spare, it stays."""
+    from o3edge.http.config import UpstreamSettings
+    from o3edge.http.overflow import Overflow
+    from o3edge.ipc import protocol as P
+
+    overflow = Overflow(UpstreamSettings(url="http://127.0.0.1:9/v1", model="m"), server=None, aio=None)
+    classes = {"normal": {"waiting": 3, "running": 1, "est_wait_ms": 900.0, "breaker": {"state": "closed"}}}
+    req = lambda **kw: P.GenerateRequest(id="x", prompt="hi", **kw)  # noqa: E731
+    assert overflow.choose(req(deadline_ms=500), busy=False, classes=classes) == "deadline"
+    assert overflow.choose(req(deadline_ms=5000), busy=False, classes=classes) is None
+    assert overflow.choose(req(), busy=False, classes=classes) is None
+    assert overflow.choose(req(deadline_ms=500), busy=True, classes=classes) == "busy"
