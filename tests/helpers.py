@@ -2,6 +2,14 @@
 
 import time
 
+import torch
+
+# Triton kernels run compiled on CUDA, and on CPU tensors under Triton's interpreter (tests/conftest.py),
+# which has no bfloat16 dot
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_DTYPES = ([torch.float32, torch.float16, torch.bfloat16] if KERNEL_DEVICE == "cuda"
+                 else [torch.float32, torch.float16])
+
 
 def wait_for(predicate, timeout=5.0, interval=0.02):
     """Poll until predicate() is truthy; returns its last value."""
@@ -26,3 +34,13 @@ def require(name: str):
     except ImportError as exc:
         pytest.fail(f"{name} is not installed ({exc}); it is in the `test` extra: pip install -e '.[test]'",
                     pytrace=False)
+
+
+def require_triton():
+    """Triton is in the `test` extra where it installs (Linux): missing there, the kernel tests fail;
+    elsewhere they skip."""
+    import sys
+
+    import pytest
+
+    return require("triton") if sys.platform == "linux" else pytest.importorskip("triton")

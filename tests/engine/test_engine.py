@@ -5,12 +5,12 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from o3edge import O3Config, O3Model
 from o3edge.engine.sequence import SamplingParams
 from o3edge.engine.tokenizer import Detokenizer
 from o3edge.errors import CheckpointError, InvalidRequest, O3Error, PromptTooLong
+from tests.helpers import KERNEL_DEVICE
 from tests.helpers import require
 
 SYSTEM = "You are a careful assistant who answers questions about the Python standard library. " * 3
@@ -21,13 +21,12 @@ def load(path, **kw):
     return O3Model.from_config(O3Config(model_path=path, device="cpu", **kw))
 
 
-KERNEL_DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (tests/conftest.py)
 
 
 def load_for_kernels(path, **kw):
     """An engine on the device the Triton kernels run on, in float32, taking the gather + SDPA path for
     every step (the reference); tests switch its kernel paths on one by one."""
-    m = O3Model.from_config(O3Config(model_path=path, device=KERNEL_DEV, dtype="float32", cuda_graphs=False, **kw))
+    m = O3Model.from_config(O3Config(model_path=path, device=KERNEL_DEVICE, dtype="float32", cuda_graphs=False, **kw))
     m.engine.runner.paged_prefill = False
     return m
 

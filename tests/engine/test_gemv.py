@@ -6,16 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-triton = pytest.importorskip("triton")
+from tests.helpers import KERNEL_DEVICE, KERNEL_DTYPES, require_triton
+
+triton = require_triton()
 
 from o3edge.engine.kernels.activation import silu_mul_reference  # noqa: E402
 from o3edge.engine.kernels.gemv import skinny_matmul  # noqa: E402
 from o3edge.engine.kernels.norm import add_rmsnorm_reference  # noqa: E402
 from o3edge.engine.quant import dequantize_int4, quantize_int4  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-DTYPES = [torch.float32, torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
+CUDA = KERNEL_DEVICE == "cuda"
+DEV, DTYPES = KERNEL_DEVICE, KERNEL_DTYPES
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 

@@ -5,14 +5,12 @@ set in tests/conftest.py before any kernel is defined), so CI checks the same co
 the GPU machine (`pytest -m gpu`) the same cases run compiled.
 """
 
-import sys
-
 import pytest
 import torch
 
-from tests.helpers import require
+from tests.helpers import KERNEL_DEVICE, KERNEL_DTYPES, require_triton
 
-triton = require("triton") if sys.platform == "linux" else pytest.importorskip("triton")
+triton = require_triton()
 
 from o3edge.engine.kernels.activation import silu_mul, silu_mul_reference  # noqa: E402
 from o3edge.engine.kernels.argmax import float_logits_and_argmax  # noqa: E402
@@ -20,9 +18,7 @@ from o3edge.engine.kernels.int4_matmul import int4_matmul  # noqa: E402
 from o3edge.engine.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from o3edge.engine.kernels.norm import add_rmsnorm, add_rmsnorm_reference  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-DTYPES = [torch.float32, torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
+DEV, DTYPES = KERNEL_DEVICE, KERNEL_DTYPES
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 

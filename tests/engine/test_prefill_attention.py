@@ -5,13 +5,13 @@ Under TRITON_INTERPRET=1 on CPU tensors in CI, compiled on the GPU machine (`pyt
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+from tests.helpers import KERNEL_DEVICE, KERNEL_DTYPES, require_triton
+
+triton = require_triton()
 
 from o3edge.engine.kernels.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-DTYPES = [torch.float32, torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
+DEV, DTYPES = KERNEL_DEVICE, KERNEL_DTYPES
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 

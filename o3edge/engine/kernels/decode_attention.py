@@ -50,9 +50,20 @@ def _rope_rows(x_ptr, rows, row_mask, d, cos, sin, HD: tl.constexpr, w_ptr, eps,
 def _attend_block(q, m, l_sum, acc, n0, end, meta, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
                   HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
     """Online softmax over keys n0 .. n0+BLOCK_N (those below end), read through the block table."""
+    offs, n_mask, s, v = paged_scores(q, n0, end, meta + 3, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
+                                      KV_BLOCK, BLOCK_N, IEEE)
+    s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, BLOCK_N]
+    return softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
+
+
+@triton.jit
+def paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD: tl.constexpr,
+                 KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Keys n0 .. n0+BLOCK_N (those below end) of one KV head, read in place through a block table:
+    (their positions, which are below end, q·k scores [rows, BLOCK_N] unscaled, values [BLOCK_N, HD_PAD])."""
     offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs < end
-    blk = tl.load(meta + 3 + offs // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
+    blk = tl.load(table + offs // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
     src = (blk * KV_BLOCK + offs % KV_BLOCK) * stride_slot + kvh * HD
     kv_mask = n_mask[:, None] & (d < HD)[None, :]
     k = tl.load(k_cache_ptr + src[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HD_PAD]
@@ -61,8 +72,7 @@ def _attend_block(q, m, l_sum, acc, n0, end, meta, k_cache_ptr, v_cache_ptr, str
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, BLOCK_N]
-    return softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
+    return offs, n_mask, s, v
 
 
 @triton.jit

@@ -17,28 +17,21 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels.gemv import MAX_ROWS, skinny_matmul, weight_tile
+
 
 @triton.jit
 def _dequantize_kernel(qw_ptr, sz_ptr, out_ptr, N, K, stride_qn, stride_on, GROUP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
-    """One program: BLOCK_N rows x BLOCK_G groups of columns."""
-    pid_n, pid_g = tl.program_id(0), tl.program_id(1)
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: BLOCK_N rows x BLOCK_K columns (whole groups), dequantized as the skinny kernel does."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
-    j = tl.arange(0, GROUP // 2)
     n_mask = rn < N
-    g_mask = g * GROUP < K
-    q = tl.load(qw_ptr + rn[:, None, None] * stride_qn + (g * (GROUP // 2))[None, :, None] + j[None, None, :],
-                mask=n_mask[:, None, None] & g_mask[None, :, None], other=0x88)
-    sz = sz_ptr + (g[None, :] * N + rn[:, None]) * 2
-    scale = tl.load(sz, mask=n_mask[:, None] & g_mask[None, :], other=0.0).to(tl.float32)[:, :, None]
-    zero = tl.load(sz + 1, mask=n_mask[:, None] & g_mask[None, :], other=0.0).to(tl.float32)[:, :, None]
-    hi = ((q >> 4).to(tl.int32) - 8).to(tl.float32) * scale + zero
-    lo = ((q & 0xF).to(tl.int32) - 8).to(tl.float32) * scale + zero
-    w = tl.reshape(tl.join(hi, lo), [BLOCK_N, BLOCK_G * GROUP])
-    cols = (pid_g * BLOCK_G * GROUP + tl.arange(0, BLOCK_G * GROUP))
-    tl.store(out_ptr + rn[:, None] * stride_on + cols[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=n_mask[:, None] & (cols < K)[None, :])
+    k0 = pid_k * BLOCK_K
+    w = weight_tile(qw_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_qn, True, GROUP, BLOCK_K,
+                    out_ptr.dtype.element_ty)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rn[:, None] * stride_on + cols[None, :], w, mask=n_mask[:, None] & (cols < K)[None, :])
 
 
 def dequantize(qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, in_features: int,
@@ -46,18 +39,16 @@ def dequantize(qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size
     """INT4 -> dense [N, in_features] in dtype, on the weight's device."""
     N = qweight.shape[0]
     out = torch.empty(N, in_features, device=qweight.device, dtype=dtype)
-    block_g = max(1, 256 // group_size)
-    grid = (triton.cdiv(N, 16), triton.cdiv(triton.cdiv(in_features, group_size), block_g))
+    block_k = max(256, group_size)  # whole groups
+    grid = (triton.cdiv(N, 16), triton.cdiv(in_features, block_k))
     _dequantize_kernel[grid](qweight, scales_and_zeros, out, N, in_features, qweight.stride(0), out.stride(0),
-                             GROUP=group_size, BLOCK_N=16, BLOCK_G=block_g, num_warps=4)
+                             GROUP=group_size, BLOCK_N=16, BLOCK_K=block_k, num_warps=4)
     return out
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                 out_features: int) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) @ INT4 W.T -> [..., N] in x's dtype."""
-    from o3edge.engine.kernels.gemv import MAX_ROWS, skinny_matmul
-
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from o3edge.engine.kernels.decode_attention import softmax_step
+from o3edge.engine.kernels.decode_attention import paged_scores, softmax_step
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -25,17 +25,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _tile(q, m, l_sum, acc, n0, q_pos, kv_end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
           HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
-    offs = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs < kv_end
-    blk = tl.load(table + offs // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
-    src = (blk * KV_BLOCK + offs % KV_BLOCK) * stride_slot + kvh * HD
-    kv_mask = n_mask[:, None] & (d < HD)[None, :]
-    k = tl.load(k_cache_ptr + src[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + src[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    offs, n_mask, s, v = paged_scores(q, n0, kv_end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
+                                      KV_BLOCK, BLOCK_N, IEEE)
     ok = n_mask[None, :] & (offs[None, :] <= q_pos[:, None])  # causal: up to the query's own position
     s = tl.where(ok, s * sm_scale, float("-inf"))  # key 0 is in every row's first tile
     return softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
