@@ -43,7 +43,7 @@ def _body(ptx: str) -> list[str]:
 
 def test_every_step_kernel_compiles_for_hopper(compiled):
     names = {name for name, _, _ in compiled}
-    assert {"_skinny_kernel", "_sum_splits_kernel", "_decode_attention_kernel", "_merge_splits_kernel",
+    assert {"_skinny_kernel", "_decode_attention_kernel", "_merge_splits_kernel",
             "_chunk_argmax_kernel", "_pick_chunk_kernel", "_add_rmsnorm_kernel", "_silu_mul_kernel",
             "_dequantize_kernel"} <= names
 
@@ -60,7 +60,7 @@ def test_pdl_kernels_write_nothing_before_they_wait(compiled):
         assert writes and min(writes) > wait, name
         assert trigger < wait, name
         checked += 1
-    assert checked >= 15
+    assert checked >= 13
 
 
 def test_skinny_matmul_pulls_its_weights_in_before_it_waits(compiled):

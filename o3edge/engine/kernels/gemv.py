@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from o3edge.engine.kernels import pdl
+from o3edge.engine.kernels.arrival import arrival_counters, last_arrival
 
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
 MAX_ROWS = 64  # the decode batches this serves; larger ones go to cuBLAS
@@ -138,11 +139,11 @@ def _prefetch_weights(w_ptr, rn, n_mask, stride_w, k_start, K, INT4: tl.constexp
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr,
+def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                    M, N, K: tl.constexpr, stride_x, stride_w, stride_out, stride_split, eps, K_PER_SPLIT,
                    PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   SPLITS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -177,20 +178,15 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
         acc = acc1[None, :]
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + rn, mask=n_mask & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
-    dst = out_ptr + pid_k * stride_split + rm[:, None] * stride_out + rn[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.launch_next(PDL)
-    pdl.wait_for_previous(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tile = rm[:, None] * stride_out + rn[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif last_arrival(part_ptr + pid_k * stride_split + tile, acc, mask, count_ptr + pid_n, SPLITS):
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the splits in order: the same sum whoever is last
+        for s in range(SPLITS):
+            total += tl.load(part_ptr + s * stride_split + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, int, int, int]:
@@ -243,20 +239,19 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     k_per_split = -(-K // (splits * block_k)) * block_k
     iters = k_per_split // block_k
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(N, block_n), splits)
     part = out if splits == 1 else torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
+    count = out if splits == 1 else arrival_counters(x.device, grid[0])
     pro = PRO_NORM if norm_weight is not None else PRO_SILU if silu else PRO_NONE
     res_out = torch.empty_like(x) if pro == PRO_NORM and residual is not None else None
     on = pdl.enabled(str(x.device))
-    _skinny_kernel[(triton.cdiv(N, block_n), splits)](
-        x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, part,
+    _skinny_kernel[grid](
+        x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, out, part, count,
         M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
-        BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, PDL=on,
-        PREFETCH=min(iters, pdl.prefetch_tiles()) if on else 0, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
+        PDL=on, PREFETCH=min(iters, pdl.prefetch_tiles()) if on else 0, num_warps=warps,
         **pdl.launch_options(on))
-    if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](part, out, M * N, SPLITS=splits, BLOCK=1024, PDL=on,
-                                                         num_warps=4, **pdl.launch_options(on))
     if pro == PRO_NORM:
         return out, (x if residual is None else res_out)
     return out
