@@ -5,11 +5,12 @@ For each prefix length, a request is a random prefix of that many tokens plus 16
   recompute  the prefix was never seen (a fresh random prefix each repetition)
   hot        the prefix is in the hot prefix cache (device memory, or RAM on CPU)
   cold       the prefix was offloaded to the shared-memory tier and dropped from the hot cache, so
-             its blocks are copied back in (this process wrote them: no checksum on the way in;
-             a restarted daemon's first hit also verifies each slab, see tests/ and kv-cache.md)
-The cold request is the hot one again (same suffix), and `cold_token_equals_hot` says whether its
-first token came out the same. TTFT is add_request -> first token out of engine.step() (on CUDA,
-step() returns after the token is on the host); the three cases are interleaved per repetition,
+             its blocks are copied back in (this process wrote them: no checksum on the way in)
+  cold_verified  the cold case again with the process's memory of which slabs it wrote or checked
+             cleared, as a restarted daemon finds them: each slab is verified before its copy
+The cold requests are the hot one again (same suffix), and `cold_token_equals_hot` says whether
+their first tokens came out the same. TTFT is add_request -> first token out of engine.step() (on CUDA,
+step() returns after the token is on the host); the cases are interleaved per repetition,
 and medians are reported (all values are in the JSON). "restore ms" is the engine thread's time in
 the restore (acquire, verify if needed, queue the copies); "copy ms" is the copies' device time
 on CUDA (from events), and the restore GB/s comes from it (on CPU: from the host time). The hot
@@ -99,7 +100,7 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
     engine.offloader.drain()
     drop_hot_cache(engine)
     ttft(engine, prefix + rand(SUFFIX))  # and a first restore
-    times = {"recompute": [], "hot": [], "cold": [], "restore": [], "restore_copy": []}
+    times = {"recompute": [], "hot": [], "cold": [], "cold_verified": [], "restore": [], "restore_copy": []}
     cold_tokens, same_token = [], []
     for _ in range(reps):
         times["recompute"].append(ttft(engine, rand(length + SUFFIX))[0])
@@ -116,6 +117,13 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
         times["restore_copy"].append(after[1] - copy_s)
         cold_tokens.append(engine.blocks.num_cold_hit_tokens - before)
         same_token.append(cold_token == hot_token)
+        # as a restarted daemon finds them: every slab is verified (header, tokens, checksum) before its copy
+        engine.offloader.drain()
+        drop_hot_cache(engine)
+        engine.offloader.tier.checked.clear()
+        verified_s, verified_token = ttft(engine, prefix + suffix)
+        times["cold_verified"].append(verified_s)
+        same_token.append(verified_token == hot_token)
     ms = lambda x: round(x * 1000, 3)  # noqa: E731
     row = {"prefix_tokens": length, "cold_tokens": min(cold_tokens), "cold_token_equals_hot": all(same_token)}
     for case, xs in times.items():
@@ -124,6 +132,7 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
         row[f"{case}_all_ms"] = [ms(x) for x in xs]
     row["cold_over_recompute"] = round(row["cold_ms"] / row["recompute_ms"], 3)
     row["hot_over_recompute"] = round(row["hot_ms"] / row["recompute_ms"], 3)
+    row["cold_verified_over_recompute"] = round(row["cold_verified_ms"] / row["recompute_ms"], 3)
     nbytes = row["cold_tokens"] / engine.blocks.block_size * engine.offloader.tier.payload_bytes
     # the copy's own bandwidth: device time on CUDA (the host only queues it), the host's time on CPU
     copy_s = statistics.median(times["restore_copy"]) or statistics.median(times["restore"])
@@ -191,8 +200,10 @@ def plot(results: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.8), dpi=90, squeeze=False)
     for ax, res in zip(axes[0], results):
         x = [r["prefix_tokens"] for r in res["rows"]]
-        for case, style in (("recompute", "o-"), ("hot", "s--"), ("cold", "^-")):
-            ax.plot(x, [r[f"{case}_ms"] for r in res["rows"]], style, label=case)
+        for case, style in (("recompute", "o-"), ("hot", "s--"), ("cold", "^-"), ("cold_verified", "v:")):
+            if all(f"{case}_ms" in r for r in res["rows"]):
+                ax.plot(x, [r[f"{case}_ms"] for r in res["rows"]], style,
+                        label="cold, verified (restart)" if case == "cold_verified" else case)
         n = res["machine"]["threads"]
         where = res["machine"].get("gpu") or f"{res['machine'].get('cpu', 'CPU')}, {n} thread{'s' * (n != 1)}"
         ax.set(xscale="log", yscale="log", xlabel="prefix tokens", ylabel="TTFT (ms)",
@@ -274,13 +285,14 @@ def main() -> None:
         engine.runner.kv_cache.view(-1)[::1024].zero_()
     rng, rows = random.Random(0), []
     print(f"{'prefix':>7} {'recompute ms':>13} {'hot ms':>8} {'cold ms':>8} {'cold/recompute':>15} "
-          f"{'hot/recompute':>14} {'restore ms':>11} {'copy ms':>8} {'GB/s':>6} same-token")
+          f"{'hot/recompute':>14} {'restore ms':>11} {'copy ms':>8} {'GB/s':>6} {'verified ms':>12} same-token")
     for length in lengths:
         row = measure(engine, length, a.reps, rng, engine.info.args.vocab_size)
         rows.append(row)
         print(f"{length:>7} {row['recompute_ms']:>13.1f} {row['hot_ms']:>8.2f} {row['cold_ms']:>8.2f} "
               f"{row['cold_over_recompute']:>15.3f} {row['hot_over_recompute']:>14.3f} {row['restore_ms']:>11.2f} "
-              f"{row['restore_copy_ms']:>8.2f} {row['restore_gb_per_s'] or 0:>6.1f} {row['cold_token_equals_hot']}",
+              f"{row['restore_copy_ms']:>8.2f} {row['restore_gb_per_s'] or 0:>6.1f} {row['cold_verified_ms']:>12.2f} "
+              f"{row['cold_token_equals_hot']}",
               flush=True)
     decode = None
     if a.decode_batch:
