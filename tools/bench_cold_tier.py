@@ -103,8 +103,10 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
     times = {"recompute": [], "hot": [], "cold": [], "cold_verified": [], "restore": [], "restore_copy": []}
     cold_tokens, same_token = [], []
     for _ in range(reps):
+        engine.offloader.drain()  # each case starts with no offload running (on a CPU it shares the cores)
         times["recompute"].append(ttft(engine, rand(length + SUFFIX))[0])
         suffix = rand(SUFFIX)
+        engine.offloader.drain()
         hot_s, hot_token = ttft(engine, prefix + suffix)
         times["hot"].append(hot_s)
         engine.offloader.drain()

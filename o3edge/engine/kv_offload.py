@@ -71,8 +71,6 @@ class Batch:
 class HostCopier:
     """CPU: plain byte copies between the pool and the arena (numpy: GIL released)."""
 
-    copies_on_launch = True  # launch() is the copy: waiting for another thread's launch waits for a copy
-
     def __init__(self, tier: ColdTier, kv_cache: torch.Tensor, block_size: int):
         L, _, S, H, D = kv_cache.shape
         chunk = block_size * H * D * kv_cache.element_size()
@@ -124,8 +122,6 @@ class HostCopier:
 
 class CudaCopier:
     """CUDA: a copy stream, the arena registered as pinned memory, events to order the two."""
-
-    copies_on_launch = False  # launch() only queues: the host never waits for a copy
 
     def __init__(self, tier: ColdTier, kv_cache: torch.Tensor, block_size: int):
         L, _, S, H, D = kv_cache.shape
@@ -264,7 +260,7 @@ class KVOffloader:
         self.verify_threads = verify_threads or min(16, os.cpu_count() or 1)
         self.verify_pool = ThreadPoolExecutor(max_workers=self.verify_threads, thread_name_prefix="o3edge-kv-verify")
         self.counts = {"cold_offloaded_blocks": 0, "cold_offload_seconds": 0.0, "cold_restored_blocks": 0,
-                       "cold_restore_seconds": 0.0, "cold_offload_skipped": 0, "cold_swap_waits": 0,
+                       "cold_restore_seconds": 0.0, "cold_offload_skipped": 0,
                        "cold_verified_blocks": 0}
         self.running = True
         self.worker = threading.Thread(target=self._work, name="o3edge-kv-offload", daemon=True)
@@ -327,9 +323,7 @@ class KVOffloader:
             if claimed:
                 batch.state = LAUNCHING
             else:
-                if batch.state == LAUNCHING and self.copier.copies_on_launch:
-                    self.counts["cold_swap_waits"] += 1
-                while batch.state == LAUNCHING:
+                while batch.state == LAUNCHING:  # the copier thread is launching it
                     self.cond.wait()
         if claimed:
             self._launch(batch)
