@@ -8,8 +8,10 @@ For each prefix length, a request is a random prefix of that many tokens plus 16
              its blocks are copied back in (this process wrote them: no checksum on the way in)
   cold_verified  the cold case again with the process's memory of which slabs it wrote or checked
              cleared, as a restarted daemon finds them: each slab is verified before its copy
-The cold requests are the hot one again (same suffix), and `cold_token_equals_hot` says whether
-their first tokens came out the same. TTFT is add_request -> first token out of engine.step() (on CUDA,
+The hot request is made once untimed first, so that every full block of it is named (the prefix's
+and the one the suffix completes, if any); the cold requests are that request again, so all three
+find the same blocks and compute the same tokens, and `cold_token_equals_hot` says whether their
+first tokens came out the same. TTFT is add_request -> first token out of engine.step() (on CUDA,
 step() returns after the token is on the host); the cases are interleaved per repetition,
 and medians are reported (all values are in the JSON). "restore ms" is the engine thread's time in
 the restore (acquire, verify if needed, queue the copies); "copy ms" is the copies' device time
@@ -106,6 +108,7 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
         engine.offloader.drain()  # each case starts with no offload running (on a CPU it shares the cores)
         times["recompute"].append(ttft(engine, rand(length + SUFFIX))[0])
         suffix = rand(SUFFIX)
+        ttft(engine, prefix + suffix)  # names every full block of this request, the suffix's too
         engine.offloader.drain()
         hot_s, hot_token = ttft(engine, prefix + suffix)
         times["hot"].append(hot_s)

@@ -17,9 +17,11 @@ In (restore), for the step that needs it: the blocks' slots are pinned under one
 process has not checksummed yet (what a restart found) is verified first (header, tokens, parent,
 slab checksum), in groups on a thread pool since the hash releases the GIL, each group copied in as
 soon as it passes; slots this process wrote or verified before go straight to the copy. On CUDA
-the copies (one per run of consecutive slots, from pinned memory) and the scatter into the hot
-blocks are queued on the compute stream ahead of the step's kernels: the host does not wait, and
-goes on preparing the step while the copy engine runs. The first block that fails ends the
+the copies (one per run of consecutive slots, from pinned memory into a staging buffer) go on a
+restore stream, so they run alongside whatever the compute stream still has queued (a decode step
+launched ahead), and the scatter into the hot blocks is queued on the compute stream behind an event
+wait, ahead of the step's kernels: the host does not wait, and goes on preparing the step while the
+copy engine runs. The first block that fails ends the
 restore; the caller recomputes from there.
 """
 
@@ -131,7 +133,8 @@ class CudaCopier:
         self.shape = (L, 2, block_size, H, D)
         self.arena = torch.frombuffer(tier.mm, dtype=torch.uint8)
         self.registered = _host_register(self.arena)
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = torch.cuda.Stream(self.device)  # offload copies
+        self.restore_stream = torch.cuda.Stream(self.device)  # restore copies: not behind the offloads' waits
         self.slabs: list[torch.Tensor | None] = [None] * tier.num_slots
         # restores whose copies may still run: (start event, end event, slots), oldest first
         self.restores: deque[tuple[torch.cuda.Event, torch.cuda.Event, list[int]]] = deque()
@@ -182,25 +185,35 @@ class CudaCopier:
         batch.staged = None
 
     def begin_load(self, n: int) -> None:
-        self._staged = torch.empty((n, *self.shape), dtype=self.dtype, device=self.device)
+        """A staging buffer on the restore stream (the allocator gives it memory no queued kernel uses)."""
+        with torch.cuda.stream(self.restore_stream):
+            self._staged = torch.empty((n, *self.shape), dtype=self.dtype, device=self.device)
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
         self._ids: list[int] = []
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._start.record()
 
     def load(self, block_ids: list[int], slots: list[int]) -> None:
-        """Queue verified slabs' host-to-device copies on the compute stream (the host goes on)."""
+        """Queue verified slabs' host-to-device copies into the staging buffer on the restore stream,
+        so that they run alongside whatever the compute stream still has queued (the host goes on)."""
         base = len(self._ids)
-        for i, n in _runs(slots):
-            self._staged[base + i:base + i + n].copy_(self.slabs_from(slots[i], n), non_blocking=True)
+        with torch.cuda.stream(self.restore_stream):
+            for i, n in _runs(slots):
+                self._staged[base + i:base + i + n].copy_(self.slabs_from(slots[i], n), non_blocking=True)
         self._ids += block_ids
 
     def loaded(self, slots: list[int]) -> None:
-        """Scatter the copied slabs into their blocks; their slots stay pinned until the copies are done."""
+        """Scatter the copied slabs into their blocks on the compute stream, after the copies (a wait on
+        the device); their slots stay pinned until the copies are done."""
         if self._ids:
+            copied = torch.cuda.Event()
+            copied.record(self.restore_stream)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
             ids = torch.tensor(self._ids).pin_memory().to(self.device, non_blocking=True)
             self.blocks.index_copy_(2, ids, self._staged[:len(self._ids)].permute(1, 2, 0, 3, 4, 5))
+            self._staged.record_stream(compute)  # not reused before the scatter has read it
             end = torch.cuda.Event(enable_timing=True)
-            end.record()
+            end.record(compute)
             self.restores.append((self._start, end, slots))
         self._staged = self._start = None
         self.reap()
