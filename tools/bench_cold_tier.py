@@ -4,20 +4,29 @@
 For each prefix length, a request is a random prefix of that many tokens plus 16 new tokens:
   recompute  the prefix was never seen (a fresh random prefix each repetition)
   hot        the prefix is in the hot prefix cache (device memory, or RAM on CPU)
-  cold       the prefix was offloaded to the shared-memory tier and dropped from the hot cache,
-             so its blocks are verified (CRC32) and copied back in
-TTFT is add_request -> first token out of engine.step() (on CUDA, step() returns after the token is
-on the host); the three cases are interleaved per repetition, and medians are reported (all values
-are in the JSON). "restore ms" is the cold case's verify-and-copy-in alone. The hot cache is emptied between the cold runs by forgetting its names
-(`drop_hot_cache`), which is what LRU eviction does once the offload has finished.
+  cold       the prefix was offloaded to the shared-memory tier and dropped from the hot cache, so
+             its blocks are copied back in (this process wrote them: no checksum on the way in)
+  cold_verified  the cold case again with the process's memory of which slabs it wrote or checked
+             cleared, as a restarted daemon finds them: each slab is verified before its copy
+The hot request is made once untimed first, so that every full block of it is named (the prefix's
+and the one the suffix completes, if any); the cold requests are that request again, so all three
+find the same blocks and compute the same tokens, and `cold_token_equals_hot` says whether their
+first tokens came out the same. TTFT is add_request -> first token out of engine.step() (on CUDA,
+step() returns after the token is on the host); the cases are interleaved per repetition,
+and medians are reported (all values are in the JSON). "restore ms" is the engine thread's time in
+the restore (acquire, verify if needed, queue the copies); "copy ms" is the copies' device time
+on CUDA (from events), and the restore GB/s comes from it (on CPU: from the host time). The hot
+cache is emptied between the cold runs by forgetting its names (`drop_hot_cache`), which is what
+LRU eviction does once the offload has finished.
 
-  python tools/bench_cold_tier.py /tmp/smol-135m --device cpu --threads 2 --lengths 250,1000,2000
-  python tools/bench_cold_tier.py --shape llama-1b --device cuda --lengths 1024,4096,16384 --json OUT
+  python tools/bench_cold_tier.py /tmp/smol-135m --device cpu --threads 1 --lengths 250,1000,2000
+  python tools/bench_cold_tier.py --shape llama-1b --device cuda --lengths 4096,16384 --decode-batch 32 --json OUT
 
---decode-batch N adds the offload's cost to decoding: the median step time of N sequences decoding,
-alone and while --offload-blocks blocks are offered to the tier before the step (blocks of the
-pool's free list under fresh names, as if requests finished alongside), in alternating runs of 8
-steps; a step with offers also pays for starting their copies.
+--decode-batch N adds the offload's cost to decoding: the step time of N sequences decoding, alone
+and with --offload-blocks blocks offered to the tier in the step (blocks of the pool's free list
+under fresh names, as if requests finished alongside), in alternating runs of 8 steps. A step is
+timed to its return (its tokens on the host), with no device-wide synchronize: that would also wait
+for the offload's side-stream copies, which the engine never waits for.
 
 Prints a table and, with --json, writes every measurement with the machine it ran on.
 --plot PNG draws TTFT against prefix length, one panel per result file:
@@ -52,19 +61,20 @@ ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)
 SUFFIX = 16
 
 
-def ttft(engine: LLMEngine, ids: list[int]) -> float:
-    """Seconds from add_request to the first token, with the engine otherwise idle."""
+def ttft(engine: LLMEngine, ids: list[int]) -> tuple[float, int]:
+    """(seconds from add_request to the first token, that token), with the engine otherwise idle."""
     rid = uuid.uuid4().hex
     t0 = time.perf_counter()
     engine.add_request(rid, ids, ONE)
     while True:
         outs, _ = engine.step()
-        if any(o.request_id == rid and o.token_ids for o in outs):
+        out = next((o for o in outs if o.request_id == rid and o.token_ids), None)
+        if out is not None:
             elapsed = time.perf_counter() - t0
             break
     while engine.has_unfinished_requests():
         engine.step()
-    return elapsed
+    return elapsed, out.token_ids[0]
 
 
 def drop_hot_cache(engine: LLMEngine) -> None:
@@ -76,6 +86,13 @@ def drop_hot_cache(engine: LLMEngine) -> None:
             block.hash, block.token_ids = None, ()
 
 
+def restore_counts(engine: LLMEngine) -> tuple[float, float, int]:
+    """(engine-thread seconds in restore, device seconds of the restore copies (CUDA; else 0), blocks)."""
+    engine.offloader.drain()  # also collects finished restores' device times
+    c = {**engine.offloader.counts, **engine.offloader.copier.counts}
+    return c["cold_restore_seconds"], c.get("cold_restore_copy_seconds", 0.0), c["cold_restored_blocks"]
+
+
 def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab: int) -> dict:
     """TTFTs of the three cases, interleaved per repetition so that a busy machine slows all three alike."""
     rand = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
@@ -84,67 +101,99 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
     ttft(engine, prefix + rand(SUFFIX))
     engine.offloader.drain()
     drop_hot_cache(engine)
-    ttft(engine, prefix + rand(SUFFIX))  # and a first restore (the verifying threads start)
-    times = {"recompute": [], "hot": [], "cold": [], "restore": []}
-    cold_tokens = []
+    ttft(engine, prefix + rand(SUFFIX))  # and a first restore
+    times = {"recompute": [], "hot": [], "cold": [], "cold_verified": [], "restore": [], "restore_copy": []}
+    cold_tokens, same_token = [], []
     for _ in range(reps):
-        times["recompute"].append(ttft(engine, rand(length + SUFFIX)))
-        times["hot"].append(ttft(engine, prefix + rand(SUFFIX)))
+        engine.offloader.drain()  # each case starts with no offload running (on a CPU it shares the cores)
+        times["recompute"].append(ttft(engine, rand(length + SUFFIX))[0])
+        suffix = rand(SUFFIX)
+        ttft(engine, prefix + suffix)  # names every full block of this request, the suffix's too
+        engine.offloader.drain()
+        hot_s, hot_token = ttft(engine, prefix + suffix)
+        times["hot"].append(hot_s)
         engine.offloader.drain()
         drop_hot_cache(engine)
-        before, restore_s = engine.blocks.num_cold_hit_tokens, engine.offloader.counts["cold_restore_seconds"]
-        times["cold"].append(ttft(engine, prefix + rand(SUFFIX)))
-        times["restore"].append(engine.offloader.counts["cold_restore_seconds"] - restore_s)
+        before, host_s, copy_s, _ = engine.blocks.num_cold_hit_tokens, *restore_counts(engine)
+        cold_s, cold_token = ttft(engine, prefix + suffix)  # the same request: the same first token
+        times["cold"].append(cold_s)
+        after = restore_counts(engine)
+        times["restore"].append(after[0] - host_s)
+        times["restore_copy"].append(after[1] - copy_s)
         cold_tokens.append(engine.blocks.num_cold_hit_tokens - before)
-    ms = lambda x: round(x * 1000, 2)  # noqa: E731
-    row = {"prefix_tokens": length, "cold_tokens": min(cold_tokens)}
+        same_token.append(cold_token == hot_token)
+        # as a restarted daemon finds them: every slab is verified (header, tokens, checksum) before its copy
+        engine.offloader.drain()
+        drop_hot_cache(engine)
+        engine.offloader.tier.checked.clear()
+        verified_s, verified_token = ttft(engine, prefix + suffix)
+        times["cold_verified"].append(verified_s)
+        same_token.append(verified_token == hot_token)
+    ms = lambda x: round(x * 1000, 3)  # noqa: E731
+    row = {"prefix_tokens": length, "cold_tokens": min(cold_tokens), "cold_token_equals_hot": all(same_token)}
     for case, xs in times.items():
         row[f"{case}_ms"] = ms(statistics.median(xs))
         row[f"{case}_min_ms"] = ms(min(xs))
         row[f"{case}_all_ms"] = [ms(x) for x in xs]
     row["cold_over_recompute"] = round(row["cold_ms"] / row["recompute_ms"], 3)
     row["hot_over_recompute"] = round(row["hot_ms"] / row["recompute_ms"], 3)
-    row["restore_gb_per_s"] = round(row["cold_tokens"] / engine.blocks.block_size * engine.offloader.tier.payload_bytes
-                                    / statistics.median(times["restore"]) / 1e9, 2)
+    row["cold_verified_over_recompute"] = round(row["cold_verified_ms"] / row["recompute_ms"], 3)
+    nbytes = row["cold_tokens"] / engine.blocks.block_size * engine.offloader.tier.payload_bytes
+    # the copy's own bandwidth: device time on CUDA (the host only queues it), the host's time on CPU
+    copy_s = statistics.median(times["restore_copy"]) or statistics.median(times["restore"])
+    row["restore_gb_per_s"] = round(nbytes / copy_s / 1e9, 2) if copy_s > 0 else None
     return row
 
 
 def decode_overhead(engine: LLMEngine, batch: int, offers: int, rng: random.Random, vocab: int,
-                    steps: int = 48) -> dict:
-    """Median decode step time of `batch` sequences, without and with `offers` block offloads per step."""
+                    steps: int = 64) -> dict:
+    """Decode step time of `batch` sequences, without and with `offers` block offloads per step.
+
+    Each step is timed from engine.step() to its return, which is when its tokens are on the host;
+    nothing else waits for the device (a device-wide synchronize would also wait for the offload's
+    copies on their side stream, which the engine never does). The offers are made inside the timed
+    region, as a request ending in the step makes them; the blocks offered rotate through the back
+    half of the free list (not the blocks the step is about to take) under fresh names.
+    """
     params = SamplingParams(max_new_tokens=2 * steps + 16, ignore_eos=True)
     rids = [uuid.uuid4().hex for _ in range(batch)]
     for rid in rids:
         engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(64)], params)
     while any(engine.seqs[r].num_output_tokens == 0 for r in rids):
         engine.step()
-    sync = torch.cuda.synchronize if engine.info.device.startswith("cuda") else (lambda: None)
-
-    def offer() -> None:
-        free = list(engine.blocks.free)[-offers:]  # the most recently freed: not taken this step
-        for block_id in free:
-            tokens = tuple(rng.randrange(3, vocab) for _ in range(engine.blocks.block_size))
-            parent = rng.randbytes(16)
-            engine.offloader.offer(block_id, chain_hash(parent, tokens), parent, tokens)
-
-    base, loaded = [], []
+    bs = engine.blocks.block_size
+    names = []
+    for _ in range(steps * offers):
+        tokens, parent = tuple(rng.randrange(3, vocab) for _ in range(bs)), rng.randbytes(16)
+        names.append((chain_hash(parent, tokens), parent, tokens))
+    for _ in range(3):
+        engine.step()
+    base, loaded, k = [], [], 0
     for i in range(2 * steps):  # runs of 8 steps of each kind, so that a busy machine slows both alike
         with_offers = (i // 8) % 2 == 1
         if not with_offers and i % 8 == 0:
             engine.offloader.drain()  # no copy of the previous run still going
-        if with_offers:
-            offer()
-        sync()
+        free = list(engine.blocks.free)
+        pool = free[len(free) // 2:]
         t0 = time.perf_counter()
+        if with_offers:
+            for j in range(offers):
+                engine.offloader.offer(pool[(k * offers + j) % len(pool)], *names[k * offers + j])
+            k += 1
         engine.step()
-        sync()
         (loaded if with_offers else base).append(time.perf_counter() - t0)
     engine.offloader.drain()
     for rid in rids:
         engine.abort(rid)
     b, w = statistics.median(base) * 1000, statistics.median(loaded) * 1000
-    return {"batch": batch, "offload_blocks_per_step": offers, "step_ms": round(b, 3),
-            "step_with_offload_ms": round(w, 3), "overhead": round(w / b - 1, 4)}
+    mb, mw = statistics.mean(base) * 1000, statistics.mean(loaded) * 1000
+    return {"batch": batch, "offload_blocks_per_step": offers, "steps_each": steps,
+            "offload_mb_per_step": round(offers * engine.offloader.tier.payload_bytes / 2**20, 2),
+            "step_ms": round(b, 3), "step_with_offload_ms": round(w, 3), "overhead": round(w / b - 1, 4),
+            "mean_step_ms": round(mb, 3), "mean_step_with_offload_ms": round(mw, 3),
+            "mean_overhead": round(mw / mb - 1, 4),
+            "step_all_ms": [round(x * 1000, 3) for x in base],
+            "step_with_offload_all_ms": [round(x * 1000, 3) for x in loaded]}
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -156,8 +205,10 @@ def plot(results: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.8), dpi=90, squeeze=False)
     for ax, res in zip(axes[0], results):
         x = [r["prefix_tokens"] for r in res["rows"]]
-        for case, style in (("recompute", "o-"), ("hot", "s--"), ("cold", "^-")):
-            ax.plot(x, [r[f"{case}_ms"] for r in res["rows"]], style, label=case)
+        for case, style in (("recompute", "o-"), ("hot", "s--"), ("cold", "^-"), ("cold_verified", "v:")):
+            if all(f"{case}_ms" in r for r in res["rows"]):
+                ax.plot(x, [r[f"{case}_ms"] for r in res["rows"]], style,
+                        label="cold, verified (restart)" if case == "cold_verified" else case)
         n = res["machine"]["threads"]
         where = res["machine"].get("gpu") or f"{res['machine'].get('cpu', 'CPU')}, {n} thread{'s' * (n != 1)}"
         ax.set(xscale="log", yscale="log", xlabel="prefix tokens", ylabel="TTFT (ms)",
@@ -207,6 +258,7 @@ def main() -> None:
             with open(path) as fh:
                 results.append(json.load(fh))
         return plot(results, a.plot)
+    start = time.perf_counter()
     if a.threads:
         torch.set_num_threads(a.threads)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -232,26 +284,35 @@ def main() -> None:
                       cold_tier_mb=cold_mb, cold_tier_dir=a.cold_tier_dir, num_threads=a.threads)
     engine = LLMEngine(config, model_dir)
     assert engine.offloader is not None, "the cold tier did not start (see the warning above)"
+    if engine.runner.kv_cache.device.type == "cpu":
+        # the CPU pool's pages are mapped on first write: touch them all now, as a long-running daemon's
+        # are (else whichever case first writes a block pays its page faults: ~0.3 GB/s here)
+        engine.runner.kv_cache.view(-1)[::1024].zero_()
     rng, rows = random.Random(0), []
     print(f"{'prefix':>7} {'recompute ms':>13} {'hot ms':>8} {'cold ms':>8} {'cold/recompute':>15} "
-          f"{'hot/recompute':>14} {'restore ms':>11}")
+          f"{'hot/recompute':>14} {'restore ms':>11} {'copy ms':>8} {'GB/s':>6} {'verified ms':>12} same-token")
     for length in lengths:
         row = measure(engine, length, a.reps, rng, engine.info.args.vocab_size)
         rows.append(row)
-        print(f"{length:>7} {row['recompute_ms']:>13.1f} {row['hot_ms']:>8.1f} {row['cold_ms']:>8.1f} "
-              f"{row['cold_over_recompute']:>15.3f} {row['hot_over_recompute']:>14.3f} {row['restore_ms']:>11.1f}",
+        print(f"{length:>7} {row['recompute_ms']:>13.1f} {row['hot_ms']:>8.2f} {row['cold_ms']:>8.2f} "
+              f"{row['cold_over_recompute']:>15.3f} {row['hot_over_recompute']:>14.3f} {row['restore_ms']:>11.2f} "
+              f"{row['restore_copy_ms']:>8.2f} {row['restore_gb_per_s'] or 0:>6.1f} {row['cold_verified_ms']:>12.2f} "
+              f"{row['cold_token_equals_hot']}",
               flush=True)
     decode = None
     if a.decode_batch:
         decode = decode_overhead(engine, a.decode_batch, a.offload_blocks, rng, engine.info.args.vocab_size)
-        print(f"decode, batch {decode['batch']}: {decode['step_ms']:.2f} ms/step alone, "
-              f"{decode['step_with_offload_ms']:.2f} ms with {decode['offload_blocks_per_step']} blocks offloaded "
-              f"per step ({decode['overhead']:+.1%})")
+        print(f"decode, batch {decode['batch']}: {decode['step_ms']:.3f} ms/step alone, "
+              f"{decode['step_with_offload_ms']:.3f} ms with {decode['offload_blocks_per_step']} blocks "
+              f"({decode['offload_mb_per_step']} MiB) offloaded per step ({decode['overhead']:+.1%}; "
+              f"means {decode['mean_step_ms']:.3f} -> {decode['mean_step_with_offload_ms']:.3f} ms, "
+              f"{decode['mean_overhead']:+.1%})")
     stats = engine.stats()
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
               "model": os.path.basename(os.path.normpath(model_dir)), "shape": a.shape, "device": engine.info.device,
               "dtype": engine.info.dtype, "kv_block_size": engine.info.kv_block_size, "cold_tier_mb": cold_mb,
-              "machine": machine(torch.device(engine.info.device)), "rows": rows, "decode": decode,
+              "machine": machine(torch.device(engine.info.device)), "wall_s": round(time.perf_counter() - start, 1),
+              "rows": rows, "decode": decode,
               "cold_tier": {k: v for k, v in stats.items() if k.startswith("cold_")}}
     engine.close()
     if a.json:

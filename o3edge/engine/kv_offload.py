@@ -1,19 +1,28 @@
 """Moves whole KV blocks between the hot pool (the runner's kv_cache) and the cold tier.
 
-Out (offload), asynchronously: when a named block loses its last holder it is offered; at the
-next flush (after each schedule, and when a request ends) each offer gets an arena slot, and the
-copy runs off the step's critical path: on CUDA a gather and device-to-host copies on a side stream into the arena, which is
-registered as pinned memory (cudaHostRegister); on CPU a worker thread copies the bytes. The worker
-then checksums the slab and seals the header. A step never waits for an offload, with one
-exception that is the point of a swap: a block whose copy has not run yet and that the step is
-about to overwrite. On CUDA the compute stream then waits for that copy on the device (the host
-does not); on CPU that one block is copied at once.
+Out (offload), off the engine thread: when a named block loses its last holder it is offered; at
+the next flush (after each schedule, and when a request ends) each offer gets an arena slot, the
+offers of one flush become a batch, and the engine thread's part ends there (on CUDA it also
+records an event on the compute stream: the point after which the batch's blocks hold their
+final K/V). The copier thread launches the batch (CUDA: one gather of the blocks and one
+device-to-host copy per run of consecutive slots, on a side stream, into the arena registered as
+pinned memory with cudaHostRegister; CPU: numpy byte copies, which release the GIL), waits for it
+(a blocking event: the thread sleeps), checksums each slab (xxh3, GIL released) and seals its
+header. A step never waits for an offload, with one exception that is the point of a swap: a
+block that the step is about to overwrite while its batch is still queued. The engine thread then
+launches that batch itself, and on CUDA the compute stream waits for the copy on the device (the
+host does not); on CPU the copy is made there and then.
 
-In (restore), synchronously for the step that needs it: each block is verified (header, tokens,
-parent, slab checksum; groups of blocks at once on a thread pool, since zlib releases the GIL) and
-copied into its hot block as soon as its group passes (a run of consecutive slots in one copy), so
-copies overlap the verification of the rest. The first block that fails ends the restore; the
-caller recomputes from there.
+In (restore), for the step that needs it: the blocks' slots are pinned under one lock; a slot this
+process has not checksummed yet (what a restart found) is verified first (header, tokens, parent,
+slab checksum), in groups on a thread pool since the hash releases the GIL, each group copied in as
+soon as it passes; slots this process wrote or verified before go straight to the copy. On CUDA
+the copies (one per run of consecutive slots, from pinned memory into a staging buffer) go on a
+restore stream, so they run alongside whatever the compute stream still has queued (a decode step
+launched ahead), and the scatter into the hot blocks is queued on the compute stream behind an event
+wait, ahead of the step's kernels: the host does not wait, and goes on preparing the step while the
+copy engine runs. The first block that fails ends the
+restore; the caller recomputes from there.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -33,25 +42,36 @@ from o3edge.engine.cold_tier import ColdTier, Entry
 
 log = logging.getLogger(__name__)
 
-QUEUED, COPYING, DONE = 0, 1, 2
+QUEUED, LAUNCHING, LAUNCHED, FAILED = 0, 1, 2, 3  # a batch's states
 VERIFY_GROUP = 4  # fewest blocks one pool task verifies (more for long prefixes: one group a thread)
 
 
 class Job:
     """One block on its way out."""
 
-    __slots__ = ("block_id", "entry", "slot", "state", "event", "staged")
+    __slots__ = ("block_id", "entry", "slot", "batch", "done")
 
     def __init__(self, block_id: int, entry: Entry):
         self.block_id, self.entry = block_id, entry
         self.slot: int | None = None
+        self.batch: Batch | None = None
+        self.done = False
+
+
+class Batch:
+    """The jobs of one flush, launched together (slots sorted: runs of consecutive slots are one copy)."""
+
+    __slots__ = ("jobs", "state", "ready", "done", "staged")
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = sorted(jobs, key=lambda j: j.slot)
         self.state = QUEUED
-        self.event = None  # CUDA: the copy-done event
-        self.staged = None  # CUDA: [the batch's gathered blocks], alive until the copy is done
+        self.ready = self.done = None  # CUDA: blocks final on the compute stream; copies done
+        self.staged = None  # CUDA: the gathered blocks, alive until the copies are done
 
 
 class HostCopier:
-    """CPU: plain byte copies between the pool and the arena (numpy: one thread, GIL released)."""
+    """CPU: plain byte copies between the pool and the arena (numpy: GIL released)."""
 
     def __init__(self, tier: ColdTier, kv_cache: torch.Tensor, block_size: int):
         L, _, S, H, D = kv_cache.shape
@@ -60,6 +80,7 @@ class HostCopier:
         self.arena = np.frombuffer(tier.mm, dtype=np.uint8)
         self.tier, self.shape = tier, (L, 2, chunk)
         self.slabs: list[np.ndarray | None] = [None] * tier.num_slots
+        self.counts = {}
 
     def slab(self, slot: int) -> np.ndarray:
         view = self.slabs[slot]
@@ -68,25 +89,34 @@ class HostCopier:
             view = self.slabs[slot] = self.arena[off:off + self.tier.payload_bytes].reshape(self.shape)
         return view
 
-    def start(self, jobs: list[Job]) -> None:
-        """Nothing to start: the worker copies."""
+    def mark(self, batch: Batch) -> None:
+        """Nothing to record: the engine thread runs no device work."""
 
-    def copy_out(self, job: Job) -> None:
-        np.copyto(self.slab(job.slot), self.pool[:, :, job.block_id])
+    def launch(self, batch: Batch) -> None:
+        for job in batch.jobs:
+            np.copyto(self.slab(job.slot), self.pool[:, :, job.block_id])
 
-    def order_before_overwrite(self, job: Job) -> bool:
-        return False  # the caller copies the block now
+    def order(self, batch: Batch) -> None:
+        """Nothing: launch() made the copies."""
+
+    def wait(self, batch: Batch) -> None:
+        """Nothing: launch() made the copies."""
+
+    def abort(self, batch: Batch) -> None:
+        """Nothing in flight."""
 
     def begin_load(self, n: int) -> None:
-        """Nothing to prepare: each block is copied as soon as it is verified."""
+        """Nothing to prepare: each group of blocks is copied as soon as it is verified."""
 
     def load(self, block_ids: list[int], slots: list[int]) -> None:
         for block_id, slot in zip(block_ids, slots):
             np.copyto(self.pool[:, :, block_id], self.slab(slot))
 
     def loaded(self, slots: list[int]) -> None:
-        for slot in slots:
-            self.tier.unpin(slot)
+        self.tier.unpin_all(slots)
+
+    def reap(self) -> None:
+        """Nothing in flight."""
 
     def close(self) -> None:
         self.arena = self.pool = self.slabs = None
@@ -99,12 +129,16 @@ class CudaCopier:
         L, _, S, H, D = kv_cache.shape
         self.tier, self.device, self.dtype = tier, kv_cache.device, kv_cache.dtype
         self.blocks = kv_cache.view(L, 2, S // block_size, block_size, H, D)
+        self.by_block = self.blocks.permute(2, 0, 1, 3, 4, 5)  # [blocks, L, 2, bs, H, D], a view
         self.shape = (L, 2, block_size, H, D)
         self.arena = torch.frombuffer(tier.mm, dtype=torch.uint8)
         self.registered = _host_register(self.arena)
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = torch.cuda.Stream(self.device)  # offload copies
+        self.restore_stream = torch.cuda.Stream(self.device)  # restore copies: not behind the offloads' waits
         self.slabs: list[torch.Tensor | None] = [None] * tier.num_slots
-        self.restores: deque[tuple[torch.cuda.Event, list[int]]] = deque()
+        # restores whose copies may still run: (start event, end event, slots), oldest first
+        self.restores: deque[tuple[torch.cuda.Event, torch.cuda.Event, list[int]]] = deque()
+        self.counts = {"cold_restore_copy_seconds": 0.0, "cold_restore_copied_blocks": 0}
 
     def slab(self, slot: int) -> torch.Tensor:
         view = self.slabs[slot]
@@ -118,60 +152,83 @@ class CudaCopier:
         off = self.tier.payload_offset(slot)
         return self.arena[off:off + n * self.tier.payload_bytes].view(self.dtype).view(n, *self.shape)
 
-    def start(self, jobs: list[Job]) -> None:
-        """Queue the gather and the device-to-host copies behind everything the step queued so far."""
-        jobs = sorted(jobs, key=lambda j: j.slot)  # runs of consecutive slots go out in one copy each
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_stream(compute)
+    def mark(self, batch: Batch) -> None:
+        """Engine thread, at the flush: the batch's blocks hold their final K/V once the compute
+        stream gets here (one event record; no other device work on this thread)."""
+        batch.ready = torch.cuda.Event()
+        batch.ready.record(torch.cuda.current_stream(self.device))
+
+    def launch(self, batch: Batch) -> None:
+        """Queue the gather and the device-to-host copies on the side stream (any thread)."""
+        jobs = batch.jobs
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(batch.ready)
             ids = torch.tensor([j.block_id for j in jobs]).pin_memory().to(self.device, non_blocking=True)
-            staged = self.blocks.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, L, 2, bs, H, D]
+            staged = self.by_block.index_select(0, ids)  # [n, L, 2, bs, H, D], contiguous: one kernel
             for i, n in _runs([j.slot for j in jobs]):
                 self.slabs_from(jobs[i].slot, n).copy_(staged[i:i + n], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        held = [staged]  # shared by the batch: the first job found done frees it for all
-        for job in jobs:
-            job.event, job.staged = event, held
+            batch.done = torch.cuda.Event(blocking=True)  # a waiting thread sleeps, not spins
+            batch.done.record(self.stream)
+        batch.staged = staged
 
-    def copy_out(self, job: Job) -> None:
-        job.event.synchronize()  # on the worker thread; releases the GIL
-        job.staged.clear()  # the batch's gathered blocks are copied: free them now
+    def order(self, batch: Batch) -> None:
+        """The compute stream waits for the batch's copies on the device; the host goes on."""
+        torch.cuda.current_stream(self.device).wait_event(batch.done)
 
-    def order_before_overwrite(self, job: Job) -> bool:
-        torch.cuda.current_stream(self.device).wait_event(job.event)  # the device waits, not the host
-        return True
+    def wait(self, batch: Batch) -> None:
+        batch.done.synchronize()  # releases the GIL
+        batch.staged = None
+
+    def abort(self, batch: Batch) -> None:
+        """A launch that failed halfway: let whatever it queued finish before its blocks are reused."""
+        self.stream.synchronize()
+        batch.staged = None
 
     def begin_load(self, n: int) -> None:
-        self._staged = torch.empty((n, *self.shape), dtype=self.dtype, device=self.device)
+        """A staging buffer on the restore stream (the allocator gives it memory no queued kernel uses)."""
+        with torch.cuda.stream(self.restore_stream):
+            self._staged = torch.empty((n, *self.shape), dtype=self.dtype, device=self.device)
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
         self._ids: list[int] = []
 
     def load(self, block_ids: list[int], slots: list[int]) -> None:
-        """Start verified slabs' host-to-device copies on the compute stream (the host goes on)."""
+        """Queue verified slabs' host-to-device copies into the staging buffer on the restore stream,
+        so that they run alongside whatever the compute stream still has queued (the host goes on)."""
         base = len(self._ids)
-        for i, n in _runs(slots):
-            self._staged[base + i:base + i + n].copy_(self.slabs_from(slots[i], n), non_blocking=True)
+        with torch.cuda.stream(self.restore_stream):
+            for i, n in _runs(slots):
+                self._staged[base + i:base + i + n].copy_(self.slabs_from(slots[i], n), non_blocking=True)
         self._ids += block_ids
 
     def loaded(self, slots: list[int]) -> None:
-        """Scatter the copied slabs into their blocks; their slots stay pinned until the copies are done."""
+        """Scatter the copied slabs into their blocks on the compute stream, after the copies (a wait on
+        the device); their slots stay pinned until the copies are done."""
         if self._ids:
+            copied = torch.cuda.Event()
+            copied.record(self.restore_stream)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
             ids = torch.tensor(self._ids).pin_memory().to(self.device, non_blocking=True)
             self.blocks.index_copy_(2, ids, self._staged[:len(self._ids)].permute(1, 2, 0, 3, 4, 5))
-            event = torch.cuda.Event()
-            event.record()
-            self.restores.append((event, slots))
-        self._staged = None
+            self._staged.record_stream(compute)  # not reused before the scatter has read it
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(compute)
+            self.restores.append((self._start, end, slots))
+        self._staged = self._start = None
         self.reap()
 
     def reap(self) -> None:
-        """Unpin the slots of restores whose copies are done."""
-        while self.restores and self.restores[0][0].query():
-            for slot in self.restores.popleft()[1]:
-                self.tier.unpin(slot)
+        """Unpin the slots of restores whose copies are done; count their time on the device."""
+        while self.restores and self.restores[0][1].query():
+            start, end, slots = self.restores.popleft()
+            self.counts["cold_restore_copy_seconds"] += start.elapsed_time(end) / 1000
+            self.counts["cold_restore_copied_blocks"] += len(slots)
+            self.tier.unpin_all(slots)
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
+        self.reap()
         if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
         self.arena = self.slabs = None
@@ -203,7 +260,7 @@ def _host_register(arena: torch.Tensor) -> bool:
 
 
 class KVOffloader:
-    """The cold tier's copier: offers in, asynchronous copies out, verified restores back."""
+    """The cold tier's copier: offers in, batches copied out off the engine thread, verified restores back."""
 
     def __init__(self, tier: ColdTier, kv_cache: torch.Tensor, block_size: int, verify_threads: int | None = None):
         self.tier, self.block_size = tier, block_size
@@ -212,11 +269,12 @@ class KVOffloader:
         self.pending: dict[int, Job] = {}  # hot block id -> its job, until the job is done or overwritten
         self.hashes: set[bytes] = set()  # names of blocks offered and not yet sealed
         self.offered: list[Job] = []  # waiting for the next flush
-        self.queue: deque[Job] = deque()  # flushed, waiting for the worker
+        self.queue: deque[Batch] = deque()  # flushed, waiting for the worker
         self.verify_threads = verify_threads or min(16, os.cpu_count() or 1)
         self.verify_pool = ThreadPoolExecutor(max_workers=self.verify_threads, thread_name_prefix="o3edge-kv-verify")
         self.counts = {"cold_offloaded_blocks": 0, "cold_offload_seconds": 0.0, "cold_restored_blocks": 0,
-                       "cold_restore_seconds": 0.0, "cold_offload_skipped": 0, "cold_swap_waits": 0}
+                       "cold_restore_seconds": 0.0, "cold_offload_skipped": 0,
+                       "cold_verified_blocks": 0}
         self.running = True
         self.worker = threading.Thread(target=self._work, name="o3edge-kv-offload", daemon=True)
         self.worker.start()
@@ -227,7 +285,7 @@ class KVOffloader:
         """A named block lost its last holder: keep a copy unless the tier has one or one is on its way."""
         if h in self.tier or h in self.hashes:
             return
-        self.before_overwrite(block_id)  # an older job for the same hot block must finish first
+        self.before_overwrite(block_id)  # an older job for the same hot block must be copied first
         job = Job(block_id, Entry(h, parent, tuple(token_ids)))
         self.offered.append(job)
         with self.cond:  # the worker removes finished jobs: never let it remove this one by mistake
@@ -235,9 +293,8 @@ class KVOffloader:
             self.hashes.add(h)
 
     def flush(self) -> None:
-        """Give the offers so far their slots and start their copies (engine thread)."""
-        if isinstance(self.copier, CudaCopier):
-            self.copier.reap()
+        """Give the offers so far their slots and hand them to the worker as one batch (engine thread)."""
+        self.copier.reap()
         jobs, self.offered = self.offered, []
         started = []
         for job in jobs:
@@ -248,43 +305,56 @@ class KVOffloader:
                 started.append(job)
         if not started:
             return
+        batch = Batch(started)
         try:
-            self.copier.start(started)
+            self.copier.mark(batch)
         except Exception:  # a copy that cannot start costs a future hit, never this step
             log.exception("cold tier: starting %d offloads failed; they are skipped", len(started))
-            for job in started:
-                self.tier.abandon(job.slot)
-                self._finished(job, ok=False)
+            self._give_up(batch)
             return
         with self.cond:
-            self.queue.extend(started)
-            self.cond.notify()
+            for job in started:
+                job.batch = batch
+            self.queue.append(batch)
+            self.cond.notify_all()
 
     def before_overwrite(self, block_id: int) -> None:
-        """The engine is about to write into block_id: its outgoing copy must be made first."""
+        """The engine is about to write into block_id: its outgoing copy must be made (or ordered) first."""
         if block_id not in self.pending:  # most blocks: no lock needed to know that
             return
         with self.cond:
             job = self.pending.pop(block_id, None)
         if job is None:
             return
-        if job.slot is None:
+        if job.batch is None:
             self.flush()
-            if job.state == DONE:  # no slot for it
+            if job.batch is None:  # no slot for it (or it could not start): nothing goes out
                 return
-        if self.copier.order_before_overwrite(job):
-            return
+        batch = job.batch
         with self.cond:
-            if job.state == QUEUED:
-                job.state = COPYING
-                claimed = True
+            claimed = batch.state == QUEUED
+            if claimed:
+                batch.state = LAUNCHING
             else:
-                claimed = False
-                self.counts["cold_swap_waits"] += 1
-                while job.state != DONE:
+                while batch.state == LAUNCHING:  # the copier thread is launching it
                     self.cond.wait()
         if claimed:
-            self._copy(job)
+            self._launch(batch)
+        if batch.state == LAUNCHED:
+            self.copier.order(batch)
+
+    def _launch(self, batch: Batch) -> None:
+        """Launch a batch this thread claimed; FAILED if it could not (its jobs are then dropped by the worker)."""
+        try:
+            self.copier.launch(batch)
+            state = LAUNCHED
+        except Exception:
+            log.exception("cold tier: offload of %d blocks failed", len(batch.jobs))
+            self.copier.abort(batch)
+            state = FAILED
+        with self.cond:
+            batch.state = state
+            self.cond.notify_all()
 
     def _work(self) -> None:
         while True:
@@ -293,28 +363,41 @@ class KVOffloader:
                     self.cond.wait()
                 if not self.queue:
                     return
-                job = self.queue.popleft()
-                if job.state != QUEUED:
-                    continue  # the engine thread took it
-                job.state = COPYING
+                batch = self.queue.popleft()
+                claimed = batch.state == QUEUED
+                if claimed:
+                    batch.state = LAUNCHING
+            if claimed:
+                self._launch(batch)
+            with self.cond:
+                while batch.state == LAUNCHING:  # the engine thread took it
+                    self.cond.wait()
+            if batch.state == FAILED:
+                self._give_up(batch)
+                continue
             try:
-                self._copy(job)
+                self._seal(batch)
             except Exception:
-                log.exception("cold tier: offload of block %d failed", job.block_id)
-                self.tier.abandon(job.slot)
-                self._finished(job, ok=False)
+                log.exception("cold tier: sealing %d offloaded blocks failed", len(batch.jobs))
+                self._give_up([j for j in batch.jobs if not j.done])
 
-    def _copy(self, job: Job) -> None:
+    def _seal(self, batch: Batch) -> None:
+        """Wait for the batch's copies, then checksum and seal each slab (worker thread)."""
         t0 = time.perf_counter()
-        self.copier.copy_out(job)
-        self.tier.commit(job.slot, job.entry)
+        self.copier.wait(batch)
+        for job in batch.jobs:
+            self.tier.commit(job.slot, job.entry)
+            self._finished(job, ok=True)
         self.counts["cold_offload_seconds"] += time.perf_counter() - t0
-        self._finished(job, ok=True)
+
+    def _give_up(self, jobs) -> None:
+        for job in (jobs.jobs if isinstance(jobs, Batch) else jobs):
+            self.tier.abandon(job.slot)
+            self._finished(job, ok=False)
 
     def _finished(self, job: Job, ok: bool) -> None:
         with self.cond:
-            job.state = DONE
-            job.staged = None
+            job.done = True
             self.hashes.discard(job.entry.hash)
             if self.pending.get(job.block_id) is job:
                 del self.pending[job.block_id]
@@ -328,45 +411,66 @@ class KVOffloader:
         with self.cond:
             while self.hashes and time.monotonic() < end:
                 self.cond.wait(0.05)
-            return not self.hashes
+            sealed = not self.hashes
+        self.copier.reap()
+        return sealed
 
     # ---- in ------------------------------------------------------------------------------------
     def restore(self, items: list[tuple[int, bytes, bytes, tuple[int, ...]]]) -> int:
         """Copy cold blocks (hot block id, hash, parent, tokens) in; returns how many leading ones made it."""
-        t0, slots = time.perf_counter(), []
-        self.copier.begin_load(len(items))
-        size = max(VERIFY_GROUP, -(-len(items) // self.verify_threads))
-        groups = [items[i:i + size] for i in range(0, len(items), size)]
-        for group, checks in zip(groups, self.verify_pool.map(self._verify_group, groups)):
-            for slot in checks:
-                self.tier.pin(slot)
-            self.copier.load([block_id for block_id, *_ in group[:len(checks)]], checks)
-            slots += checks
-            if len(checks) < len(group):
-                break
-        self.copier.loaded(slots)
-        self.counts["cold_restored_blocks"] += len(slots)
+        t0 = time.perf_counter()
+        slots, unchecked = self.tier.acquire([item[1:] for item in items])
+        ids = [item[0] for item in items[:len(slots)]]
+        self.copier.begin_load(len(slots))
+        n = len(slots)
+        if unchecked:
+            n = self._verify_and_load(items, slots)
+            self.counts["cold_verified_blocks"] += n
+        elif slots:
+            self.copier.load(ids, slots)
+        self.tier.unpin_all(slots[n:])
+        self.copier.loaded(slots[:n])
+        self.counts["cold_restored_blocks"] += n
         self.counts["cold_restore_seconds"] += time.perf_counter() - t0
-        return len(slots)
+        return n
 
-    def _verify_group(self, group: list) -> list[int]:
-        """Slots of the group's leading blocks that pass their checks (a pool thread)."""
-        slots = []
-        for _, h, parent, tokens in group:
-            slot = self.tier.verify(h, parent, tokens)
-            if slot is None:
+    def _verify_and_load(self, items: list, slots: list[int]) -> int:
+        """Verify the slots in groups on the pool, copying each group in as soon as it passes (in order);
+        how many leading slots passed."""
+        size = max(VERIFY_GROUP, -(-len(slots) // self.verify_threads))
+        bounds = [(i, min(i + size, len(slots))) for i in range(0, len(slots), size)]
+        futures = [self.verify_pool.submit(self._check, items, slots, lo, hi) for lo, hi in bounds]
+        ok = 0
+        for (lo, hi), future in zip(bounds, futures):
+            passed = future.result()
+            self.copier.load([item[0] for item in items[lo:lo + passed]], slots[lo:lo + passed])
+            ok += passed
+            if passed < hi - lo:
                 break
-            slots.append(slot)
-        return slots
+        for future in futures:
+            future.cancel()
+        wait(futures)  # none may still read a slot once it is unpinned
+        return ok
+
+    def _check(self, items: list, slots: list[int], lo: int, hi: int) -> int:
+        """How many of slots[lo:hi] pass their checks, from the first (a pool thread)."""
+        for i in range(lo, hi):
+            _, h, parent, tokens = items[i]
+            if not self.tier.check(slots[i], h, parent, tokens):
+                return i - lo
+        return hi - lo
 
     # ---- the rest ------------------------------------------------------------------------------
     def stats(self) -> dict:
-        c, nbytes = self.counts, self.tier.payload_bytes
+        c, nbytes = {**self.counts, **self.copier.counts}, self.tier.payload_bytes
         rate = lambda n, s: round(n * nbytes / s / 1e9, 3) if s > 0 else 0.0  # noqa: E731
+        restore = (rate(c["cold_restore_copied_blocks"], c["cold_restore_copy_seconds"])  # CUDA: device time
+                   if "cold_restore_copy_seconds" in c else rate(c["cold_restored_blocks"], c["cold_restore_seconds"]))
         return {**self.tier.stats(), "cold_offloaded_blocks": c["cold_offloaded_blocks"],
                 "cold_restored_blocks": c["cold_restored_blocks"], "cold_offload_skipped": c["cold_offload_skipped"],
+                "cold_verified_blocks": c["cold_verified_blocks"],
                 "cold_offload_gb_per_s": rate(c["cold_offloaded_blocks"], c["cold_offload_seconds"]),
-                "cold_restore_gb_per_s": rate(c["cold_restored_blocks"], c["cold_restore_seconds"])}
+                "cold_restore_gb_per_s": restore}
 
     def _at_exit(self) -> None:
         if self.running:
