@@ -5,7 +5,7 @@
 # Results land in $OUT (JSON and logs); plot them with
 # `python tools/bench_gpu.py --reuse OUT.json --plot PNG` where matplotlib is installed.
 #   bash ../shared/peers/gpu/prepare.sh && bash ../shared/device/fetch-wheels.sh   # here, once
-#   device run (carry .peer and .whl): bash tools/bench_gpu_vs_llamacpp.sh
+#   device run (carry .peer and .whl): bash tools/bench_gpu_vs_llamacpp.sh   (GEMV=0: without bench_gemv)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -19,6 +19,7 @@ bash .peer/run.sh bench > "$OUT/llamacpp-bench.log" 2>&1
 python3 tools/bench_gpu.py --model /tmp/lcw/ckpt --shape tinyllama-1.1b --dtype float16 --int4 --skip-hf \
   --reuse "$OUT/o3edge-only.json" --llamacpp "$OUT/llamacpp-bench.log" --json "$OUT/tinyllama-fp16.json"
 echo "elapsed $(( $(date +%s) - t0 )) s"
-python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --json "$OUT/profile-llama1b-bf16.json" 2>&1 | grep -v -i warn
-python3 tools/bench_gemv.py --json "$OUT/gemv.json" 2>&1 | grep -v -i warn | grep -v "^best"
+python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --variants "" --json "$OUT/profile-llama1b-bf16.json" 2>&1 | grep -v -i warn
+python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --int4 --variants "" --json "$OUT/profile-llama1b-int4.json" 2>&1 | grep -v -i warn
+[ "${GEMV:-1}" = 1 ] && python3 tools/bench_gemv.py --json "$OUT/gemv.json" 2>&1 | grep -v -i warn | grep -v "^best"
 echo "elapsed $(( $(date +%s) - t0 )) s"
