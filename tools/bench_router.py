@@ -58,6 +58,11 @@ SETTINGS = {
     "router-int8": dict(kv_router="int8"),
     "router-int4": dict(kv_router="int4"),
 }
+# --tuned adds these: what a 1,024-token model needs instead of the defaults (less kept for position)
+TUNED = {
+    "router-int8-tuned": dict(kv_router="int8", router_threshold=0.5, sink_tokens=4, recent_tokens=32),
+    "router-int4-tuned": dict(kv_router="int4", router_threshold=0.5, sink_tokens=4, recent_tokens=32),
+}
 NEEDLE = ("The pass key is {k}. Remember it. The pass key is {k}.\n", "\nWhat is the pass key? The pass key is")
 
 
@@ -96,13 +101,26 @@ def run_tokens(eng: LLMEngine, prompt: list[int], new: int, forced: list[int] | 
             n = 1
         share = 1.0
         if runner.router is not None:
-            ctx = seq.num_computed_tokens
-            used = seq.block_table[:-(-ctx // eng.blocks.block_size)]
-            share = sum(1 for b in used if not runner.router.demoted[b]) / len(used)
+            share = kept_by(eng, seq)
     finally:
         eng.blocks.free_seq(seq)
         runner.release(seq)
     return torch.stack(logits), tokens, share
+
+
+def kept_by(eng: LLMEngine, seq: Sequence) -> dict:
+    """Share of a sequence's blocks in each state at its end: compressed, or kept full precision as a
+    sink block, a block of the recent window, the block being filled, or for its saliency."""
+    bs, cfg = eng.blocks.block_size, eng.runner.router.cfg
+    ctx = seq.num_computed_tokens
+    used = seq.block_table[:-(-ctx // bs)]
+    out = dict.fromkeys(("compressed", "sink", "recent", "filling", "salient"), 0)
+    for i, b in enumerate(used):
+        lo, hi = i * bs, (i + 1) * bs
+        why = ("compressed" if eng.blocks.is_compressed(b) else "filling" if hi > ctx else "sink"
+               if lo < cfg.sink_tokens else "recent" if hi > ctx - cfg.recent_tokens else "salient")
+        out[why] += 1
+    return {k: v / len(used) for k, v in out.items()}
 
 
 def held_out(tok, n_prompts: int, length: int) -> tuple[list[list[int]], list[int]]:
@@ -158,7 +176,7 @@ def quality(a) -> dict:
         t0 = time.perf_counter()
         eng = ref if label == "off" else engine(model_dir, label, "cpu", "float32", a.threads)
         mode = SETTINGS[label]["kv_router"]
-        kls, agree, free_same, shares = [], [], [], []
+        kls, agree, free_same, shares, why = [], [], [], [], []
         for p, (ref_logits, ref_tokens, _) in zip(prompts, reference):
             logits, _, share = run_tokens(eng, p, a.new_tokens, forced=ref_tokens)
             logp_ref, logp = F.log_softmax(ref_logits, -1), F.log_softmax(logits, -1)
@@ -166,7 +184,9 @@ def quality(a) -> dict:
             agree += (logits.argmax(-1) == ref_logits.argmax(-1)).tolist()
             _, free, _ = run_tokens(eng, p, a.new_tokens)
             free_same.append(sum(x == y for x, y in zip(free, ref_tokens)) / len(ref_tokens))
-            shares.append(share)
+            shares.append(1.0 if isinstance(share, float) else 1 - share["compressed"])
+            if not isinstance(share, float):
+                why.append(share)
         needle = []
         for L, d, ids, key in needles:
             _, out, _ = run_tokens(eng, ids, 8)
@@ -189,6 +209,8 @@ def quality(a) -> dict:
             "greedy_agreement_free_per_prompt": free_same,
             "needle_found": sum(n["found"] for n in needle) / len(needle), "needle": needle,
             "copy_tokens_mean": sum(c["tokens_copied"] for c in copy) / len(copy), "copy": copy,
+            "blocks_by_state": {k: round(sum(w[k] for w in why) / len(why), 4) for k in why[0]} if why else None,
+            "engine_kv_stats": {k: v for k, v in eng.stats().items() if k.startswith("kv_")},
             "seconds": round(time.perf_counter() - t0, 1),
         }
         print(label, {k: v for k, v in rows[label].items() if not isinstance(v, list)}, flush=True)
@@ -283,6 +305,7 @@ def main(argv=None):
     ap.add_argument("--needle-lengths", default="256,512,896")
     ap.add_argument("--needle-depths", default="0.1,0.5,0.9")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tuned", action="store_true", help="also the router with threshold 0.5 and 32 recent tokens")
     ap.add_argument("--gpu", action="store_true", help="decode speed on the GPU instead of quality on the CPU")
     ap.add_argument("--shape", default="llama-1b")
     ap.add_argument("--context", type=int, default=4096)
@@ -293,6 +316,8 @@ def main(argv=None):
     ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    if a.tuned:
+        SETTINGS.update(TUNED)
     r = gpu(a) if a.gpu else quality(a)
     r.update(date=datetime.date.today().isoformat(), machine=platform.machine(), python=platform.python_version(),
              torch=torch.__version__)

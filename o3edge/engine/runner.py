@@ -68,10 +68,8 @@ class ModelRunner:
         both KV pools; the static decode paths (CUDA graphs, CPU spans) are not used."""
         from o3edge.engine.router import KVRouter
 
-        a = self.args
-        full = self.block_bytes(a, self.block_size, self.dtype) // self.block_size
-        self.router = KVRouter(cfg, a.num_layers, self.kv_cache.shape[2], a.num_kv_heads, a.head_dim,
-                               self.block_size, self.device, full)
+        full = self.block_bytes(self.args, self.block_size, self.dtype) // self.block_size
+        self.router = KVRouter(cfg, self.kv_cache, self.num_blocks, self.block_size, full)
         self.graphs = self.prefill_graphs = self.cpu_decode = None
         self.paged_prefill = False  # the router attends over the gathered keys and its compressed pool
 
@@ -96,7 +94,7 @@ class ModelRunner:
             input_ids, positions, step = self.prepare(batch)
             step.router = self.router.begin_step(batch)
             logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
-            self.router.end_step(batch, self.kv_cache)
+            self.router.end_step(batch)  # plans demotions: blocks.mark_computed carries them out
         elif self.graphs is not None and self.graphs.fits(batch):
             logits, picked = self.graphs.run(batch, greedy_only)  # decode: greedy picked on the GPU
         else:
