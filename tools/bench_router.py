@@ -3,6 +3,7 @@
 
   python tools/bench_router.py [--model DIR] [--prompts 4] [--prompt-tokens 640] [--new-tokens 256]
                                [--json docs/results/router-cpu-<date>.json] [--plot docs/img/router-cpu.png]
+  python tools/bench_router.py --capacity [--capacity-seqs 8] [--capacity-budget 3] [--json ...]
   python tools/bench_router.py --gpu [--shape llama-1b] [--context 4096] [--batch 16] [--json ...]
 
 Settings, all on the same model in the same run: `off` (full-precision KV), `uniform-int8` and
@@ -21,8 +22,9 @@ filler text of several lengths, asked for at the end; and a passage copy (the mo
 earlier and given its start at the end; the score is how many of the next 16 tokens it reproduces).
 
 GPU (--gpu): decode tokens/s at --context tokens and --batch sequences, random weights of --shape,
-bf16: `off` on the CUDA-graph decode step, `off` eager, and the four compressed settings (eager: the
-router does not run inside the CUDA graphs yet), with each setting's KV bytes per token.
+bf16: `off` on the CUDA-graph decode step, `off` eager, and the four compressed settings eager and
+with router_cuda_graphs (router_graph.py: decode steps that observe no saliency in CUDA graphs), with
+each setting's KV bytes per token and compressed share from the engine's stats.
 """
 
 from __future__ import annotations
@@ -235,8 +237,10 @@ def gpu(a) -> dict:
     budget = a.batch * (a.context + a.steps + 64) // 32 + 8  # blocks for the batch (plus room)
     runs = [("off (CUDA graphs)", "off", True), ("off (eager)", "off", False)]
     runs += [(label, label, False) for label in SETTINGS if label != "off"]
+    runs += [(f"{label} (CUDA graphs)", label, True) for label in SETTINGS if label != "off"]
     for name, label, graphs in runs:
-        eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, num_kv_blocks=budget,
+        eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, router_cuda_graphs=graphs,
+                     num_kv_blocks=budget,
                      max_num_seqs=a.batch, max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
         g = torch.Generator().manual_seed(0)
         vocab = eng.info.args.vocab_size
@@ -249,7 +253,7 @@ def gpu(a) -> dict:
         t0, n = time.perf_counter(), 0
         while eng.has_unfinished_requests():
             _, rep = eng.step()
-            n += rep.num_decode_tokens if rep else 0
+            n += sum(generated for _, generated in rep.tokens.values()) if rep else 0
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         st = eng.stats()
@@ -261,6 +265,42 @@ def gpu(a) -> dict:
         torch.cuda.empty_cache()
     return {"mode": "gpu-decode", "shape": a.shape, "context": a.context, "batch": a.batch, "steps": a.steps,
             "device": torch.cuda.get_device_name(), "results": rows}
+
+
+def capacity(a) -> dict:
+    """The same KV budget with and without the router: --capacity-seqs held-out prompts of
+    --prompt-tokens tokens, --new-tokens each, all queued at once on an engine whose pool holds
+    --capacity-budget sequences' worth of full-precision blocks. Reports the peak and mean number of
+    sequences running, preemptions and engine steps, and the engine's own KV stats at the peak."""
+    model_dir = resolve_model_path(a.model)
+    rows = {}
+    for label in SETTINGS:
+        probe = engine(model_dir, "off", "cpu", "float32", a.threads)
+        prompts, _ = held_out(probe.tokenizer, a.capacity_seqs, a.prompt_tokens)
+        length = a.prompt_tokens + a.new_tokens
+        blocks = int(a.capacity_budget * -(-length // probe.config.kv_block_size))
+        del probe
+        eng = engine(model_dir, label, "cpu", "float32", a.threads, num_kv_blocks=blocks,
+                     max_num_seqs=a.capacity_seqs)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True))
+        t0, steps, running, peak, at_peak = time.perf_counter(), 0, [], 0, {}
+        while eng.has_unfinished_requests():
+            eng.step()
+            steps += 1
+            n = len(eng.scheduler.running)
+            running.append(n)
+            if n > peak:
+                peak, at_peak = n, {k: v for k, v in eng.stats().items() if k.startswith("kv_")}
+        st = eng.stats()
+        rows[label] = {"num_kv_blocks_budget": blocks, "full_precision_blocks": eng.blocks.num_blocks,
+                       "peak_running": peak, "mean_running": round(sum(running) / len(running), 2),
+                       "preemptions": st["preemptions"], "steps": steps, "kv_stats_at_peak": at_peak,
+                       "seconds": round(time.perf_counter() - t0, 1)}
+        print(label, rows[label], flush=True)
+    return {"mode": "cpu-capacity", "model": os.path.basename(model_dir), "sequences": a.capacity_seqs,
+            "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
+            "budget_sequences_full_precision": a.capacity_budget, "settings": SETTINGS, "results": rows}
 
 
 def table(r: dict) -> str:
@@ -306,6 +346,9 @@ def main(argv=None):
     ap.add_argument("--needle-depths", default="0.1,0.5,0.9")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tuned", action="store_true", help="also the router with threshold 0.5 and 32 recent tokens")
+    ap.add_argument("--capacity", action="store_true", help="sequences at once in a fixed KV budget (CPU)")
+    ap.add_argument("--capacity-seqs", type=int, default=8)
+    ap.add_argument("--capacity-budget", type=float, default=3.0, help="full-precision sequences the pool holds")
     ap.add_argument("--gpu", action="store_true", help="decode speed on the GPU instead of quality on the CPU")
     ap.add_argument("--shape", default="llama-1b")
     ap.add_argument("--context", type=int, default=4096)
@@ -318,10 +361,10 @@ def main(argv=None):
     torch.manual_seed(0)
     if a.tuned:
         SETTINGS.update(TUNED)
-    r = gpu(a) if a.gpu else quality(a)
+    r = gpu(a) if a.gpu else capacity(a) if a.capacity else quality(a)
     r.update(date=datetime.date.today().isoformat(), machine=platform.machine(), python=platform.python_version(),
              torch=torch.__version__)
-    if not a.gpu:
+    if not a.gpu and not a.capacity:
         print(table(r))
         if a.plot:
             plot(r, a.plot)

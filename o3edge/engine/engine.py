@@ -195,8 +195,10 @@ class LLMEngine:
         block books (RouterBlocks) carry out the demotions it plans."""
         from o3edge.engine.router import RouterConfig
 
+        graphs = self.runner.device.type == "cuda" and config.cuda_graphs and config.router_cuda_graphs
         self.runner.enable_router(RouterConfig(config.kv_router, config.router_threshold, config.sink_tokens,
-                                               config.recent_tokens, config.router_refresh_steps))
+                                               config.recent_tokens, config.router_refresh_steps),
+                                  config.max_num_seqs if graphs else 0)
         self.blocks.demoter = self.runner.router
         log.info("token router: %s pool, threshold %.2f, %d sink and %d recent tokens full precision",
                  config.kv_router, config.router_threshold, config.sink_tokens, config.recent_tokens)

@@ -34,6 +34,8 @@ c // per_host.
 Attention over both pools: each sequence's keys are split into its full-precision positions and its
 compressed ones; each part gives a partial result and its log-sum-exp, and the two are merged. On
 CUDA a decode step's compressed part runs in kernels/quant_attention.py; everything else in torch.
+With router_cuda_graphs, decode steps that observe nothing run both pools in one kernel inside the
+CUDA-graph step instead (router_graph.py).
 """
 
 from __future__ import annotations
@@ -224,6 +226,16 @@ class KVRouter:
                                   observe, state))
             row += n
         return RouterStep(self, parts)
+
+    def observes(self, batch) -> bool:
+        """Whether a step over batch observes attention for saliency (or starts a sequence's books):
+        such steps run eager (router_graph.py)."""
+        for seq, n in batch:
+            state = self.seqs.get(seq.seq_id)
+            if state is None or n != 1 or seq.num_output_tokens == 0 \
+                    or state.steps_since_route + 1 >= self.cfg.refresh_steps:
+                return True
+        return False
 
     def end_step(self, batch) -> None:
         """Route the sequences whose prompt just ended, and the decoding ones due for a refresh: plan

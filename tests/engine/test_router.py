@@ -289,3 +289,51 @@ def test_router_on_the_gpu_is_deterministic_and_demotes(tiny_dir, mode):
         runs.append([r.token_ids for r in m.generate_batch(ids, GREEDY)])
         assert m.engine.blocks.num_demoted > 0
     assert runs[0] == runs[1]
+
+
+# ---- the router's decode attention for the CUDA-graph step (Triton; the interpreter on CPU) ------------
+
+def router_meta(rows, max_blocks, scratch_slot, bs):
+    """rows: (token, position, full-precision table, compressed table) -> int32 [B, 5 + 2 * max_blocks]."""
+    meta = torch.zeros(len(rows), 5 + 2 * max_blocks, dtype=torch.int32)
+    for b, (tok, pos, full, comp) in enumerate(rows):
+        n_full = pos - len(comp) * bs  # cached full-precision keys before the new token
+        slot = full[n_full // bs] * bs + n_full % bs  # the new token goes after them, in the last full block
+        meta[b, :5] = torch.tensor([tok, pos, slot, n_full, len(comp)])
+        meta[b, 5:5 + len(full)] = torch.tensor(full)
+        meta[b, 5 + max_blocks:5 + max_blocks + len(comp)] = torch.tensor(comp, dtype=torch.int32)
+    return meta
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, device="cpu"):
+    from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
+
+    torch.manual_seed(8)
+    H, KVH, hd, bs, nblocks, mb = 6, 2, 64, 8, 12, 8
+    kv = (torch.randn(2, (nblocks + 1) * bs, KVH, hd) * 2).to(device)
+    rot = hadamard(hd, device=device) if mode == "int4" else None
+    comp_src = torch.randn(2, 10 * bs, KVH, hd, device=device) * 2
+    codes, scales = quantize(comp_src, mode, rot)
+    freqs = torch.arange(256)[:, None] / 10000 ** (torch.arange(0, hd, 2) / hd)  # rotate-half RoPE tables
+    cos, sin = torch.cat((freqs, freqs), -1).cos().to(device), torch.cat((freqs, freqs), -1).sin().to(device)
+    rows = [(1, 37, [0, 3, 5], [2, 7, 9]),  # 13 full keys, then 3 compressed blocks (24 keys)
+            (2, 5, [4], []),  # no compressed block
+            (3, 40, [6], [0, 1, 3, 4, 5]),  # nothing full before the new token
+            (4, 23, [8, 10, 11], [])]
+    meta = router_meta(rows, mb, nblocks * bs, bs).to(device)
+    qkv = torch.randn(4, (H + 2 * KVH) * hd, device=device)
+    k1, v1 = kv[0].clone(), kv[1].clone()
+    out = router_decode_attention(qkv, cos, sin, meta, k1, v1, codes, scales, rot, mode, H, bs, splits)
+    k2, v2 = kv[0].clone(), kv[1].clone()
+    want = router_decode_reference(qkv, cos, sin, meta, k2, v2, codes, scales, rot, mode, H, bs)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)  # the new keys and values were written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_router_decode_kernel_on_the_gpu(mode, splits):
+    test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, device="cuda")
