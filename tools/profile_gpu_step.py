@@ -5,7 +5,8 @@ Runs the step several ways on the same engine and context (128-token prompt plus
 the eager model (the pre-fusion path: gather + SDPA + separate norms, RoPE and activations), the fused
 decode step run eagerly (to count its kernels), the same step without the skinny matmuls (norm and
 SiLU·mul as kernels of their own, projections on cuBLAS), and the captured graphs of both replayed back
-to back (the step time the engine sees, without host work), against the floor: the bytes of the
+to back (the step time the engine sees, without host work; also under other settings, --variants, such as
+without programmatic dependent launch: kernels/pdl.py), against the floor: the bytes of the
 weights over the GPU's memory bandwidth (--bandwidth, H200: 4.8 TB/s).
 
   python tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 [--int4] [--batch 1] [--json OUT]
@@ -28,7 +29,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from o3edge import O3Config, O3Model  # noqa: E402
+from o3edge.engine.cuda_graph import capture_graphs  # noqa: E402
 from o3edge.engine.decode_step import decode_forward  # noqa: E402
+from o3edge.engine.kernels import pdl  # noqa: E402
 from o3edge.engine.sequence import SamplingParams  # noqa: E402
 from tools.make_tiny_model import SHAPES  # noqa: E402
 
@@ -72,6 +75,8 @@ def main():
     ap.add_argument("--model")
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of the GPU's memory (H200)")
     ap.add_argument("--json")
+    ap.add_argument("--variants", default="O3EDGE_PDL=0",
+                    help="';'-separated environments (NAME=V,NAME=V) to capture and replay the step under too")
     a = ap.parse_args()
     path = a.model or os.path.join(tempfile.gettempdir(), f"o3edge-bench-{a.shape}")
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -104,6 +109,16 @@ def main():
             count, gpu_us, top = kernels(fn)
             out[name] = dict(kernels=count, kernels_per_layer=count / e.info.args.num_layers, gpu_us=gpu_us, top=top)
         out["graph_replay_ms"] = replay_ms(graphs.graphs[B][0])
+        out["pdl"] = pdl.enabled("cuda")
+        out["variants"] = {}
+        for variant in (a.variants.split(";") if a.variants else []):  # the same step captured again
+            saved = dict(os.environ)
+            os.environ.update(dict(kv.split("=") for kv in variant.split(",")))
+            pdl.reload()
+            out["variants"][variant] = replay_ms(capture_graphs([B], graphs._forward, variant)[B][0])
+            os.environ.clear()
+            os.environ.update(saved)
+            pdl.reload()
         plain = torch.cuda.CUDAGraph()
         with torch.cuda.graph(plain):
             unfused()
@@ -113,13 +128,14 @@ def main():
     out["floor_ms"] = weight_bytes / a.bandwidth * 1e3
     out["floor_fraction"] = out["floor_ms"] / out["graph_replay_ms"]
     for k, v in out.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and "kernels" in v:
             print(f"{k}: {v['kernels']:.0f} kernels ({v['kernels_per_layer']:.1f} a layer), "
                   f"{v['gpu_us']:.0f} us of kernel time")
             for name, c, us in v["top"]:
                 print(f"    {c:6.1f} x {us:8.1f} us  {name}")
     print(f"graph replay, back to back: {out['graph_replay_ms']:.3f} ms a step "
-          f"(without skinny matmuls {out['graph_replay_ms_without_skinny']:.3f}); floor {out['floor_ms']:.3f} ms "
+          f"(without skinny matmuls {out['graph_replay_ms_without_skinny']:.3f}"
+          + "".join(f", {k} {v:.3f}" for k, v in out["variants"].items()) + f"); floor {out['floor_ms']:.3f} ms "
           f"({weight_bytes / 1e9:.2f} GB), {100 * out['floor_fraction']:.0f}% of the floor's speed")
     if a.json:
         with open(a.json, "w") as fh:

@@ -33,10 +33,11 @@ class PrefillGraphs:
         self.input_ids = torch.zeros(T, dtype=torch.long, device=dev)
         self.positions = torch.arange(T, device=dev)
         self.slots = torch.full((1, T), runner.scratch_slot, dtype=torch.long, device=dev)
-        self.mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None]  # [1, 1, T, T] causal
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.arange = torch.arange(T, device=dev)
         self.paged = runner.paged_prefill  # the kernel path: (first row, tokens, start) and the block table
+        # the masked path's [1, 1, T, T] causal mask (T*T bytes: 64 MB at 8K tokens), only where it is read
+        self.mask = None if self.paged else torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None]
         self.seqs = torch.zeros(1, 3, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(1, -(-runner.max_model_len // runner.block_size), dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}

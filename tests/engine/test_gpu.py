@@ -70,3 +70,30 @@ def test_cuda_graph_decode_matches_eager_decode(checkpoints):
     same = sum(x == y for x, y in zip(a, b))
     assert same >= len(prompts) - 1  # batch-size-dependent GEMM kernels may flip one near-tie at most
     assert graphs.engine.runner.graphs.num_steps >= 47
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_programmatic_dependent_launch_changes_no_token(checkpoints, monkeypatch, dtype):
+    """Kernels that start before the previous one ends (kernels/pdl.py) read nothing early that it
+    writes: with and without PDL, batch 1 (skinny matmuls) and batch 4, the same tokens."""
+    from o3edge.engine.kernels import pdl
+
+    if not pdl.enabled("cuda"):
+        pytest.skip("PDL needs compute capability 9.0")
+    path = checkpoints("qwen3-qknorm")
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    with_pdl = engine(path, dtype)
+    prompts = [with_pdl.engine.encode(p) for p in PROMPTS]
+    a = [r.token_ids for r in with_pdl.generate_batch(prompts, params)]
+    a1 = with_pdl.generate_batch(prompts[:1], params)[0].token_ids
+    del with_pdl
+    monkeypatch.setenv("O3EDGE_PDL", "0")
+    pdl.enabled.cache_clear()
+    try:
+        without = engine(path, dtype)
+        b = [r.token_ids for r in without.generate_batch(prompts, params)]
+        b1 = without.generate_batch(prompts[:1], params)[0].token_ids
+    finally:
+        monkeypatch.delenv("O3EDGE_PDL")
+        pdl.enabled.cache_clear()
+    assert a == b and a1 == b1

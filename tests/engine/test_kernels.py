@@ -103,7 +103,8 @@ def _decode_case(lens, H, KVH, HD, block_size, dtype, seed=0):
     ([1, 2, 17, 33], 8, 2, 32, 16, 1),      # first token alone, block boundaries (16/17, 32/33)
     ([130, 5], 32, 4, 64, 16, 1),          # tinyllama's GQA ratio (8)
     ([300, 64, 1], 32, 8, 64, 16, 4),      # split along the key axis; empty splits for short rows
-    ([97], 4, 4, 32, 32, 3),               # MHA, splits that do not divide the length
+    ([97, 777], 4, 4, 32, 32, 3),          # MHA, splits that do not divide the length
+    ([1100, 600, 3], 8, 2, 64, 16, 4),     # 4, 3 and 1 splits with keys in one step
     ([70, 12], 4, 1, 128, 16, 2),          # one KV head for all (GQA 4), head_dim 128
 ])
 def test_decode_attention_matches_reference(dtype, lens, H, KVH, HD, block_size, splits):
@@ -112,6 +113,8 @@ def test_decode_attention_matches_reference(dtype, lens, H, KVH, HD, block_size,
     out = decode_attention(qkv, cos, sin, meta, kc, vc, H, block_size, num_splits=splits)
     ref = decode_attention_reference(qkv, cos, sin, meta, kr, vr, H, block_size)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype] * 5, rtol=TOL[dtype] * 5)
+    # nothing left behind changes the next step (a graph replay of the same step)
+    assert torch.equal(decode_attention(qkv, cos, sin, meta, kc, vc, H, block_size, num_splits=splits), out)
     # the new keys and values landed in their slots (RoPE applied to keys), nothing else changed
     torch.testing.assert_close(kc.float(), kr.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(vc, vr)

@@ -7,9 +7,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels import pdl
+
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait_for_previous(PDL)
     row, col = tl.program_id(0), tl.program_id(1)
     offs = col * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -25,8 +29,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = two_i // 2
     out = torch.empty(T, inter, device=gate_up.device, dtype=gate_up.dtype)
     block = min(1024, triton.next_power_of_2(inter))
+    on = pdl.enabled(str(gate_up.device))
     _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                      BLOCK=block, num_warps=4)
+                                                      BLOCK=block, PDL=on, num_warps=4, **pdl.launch_options(on))
     return out
 
 

@@ -12,12 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels import pdl
+
 CHUNK = 2048
 
 
 @triton.jit
 def _chunk_argmax_kernel(x_ptr, out_ptr, part_val_ptr, part_idx_ptr, V, stride_x, stride_out, num_chunks,
-                         CHUNK: tl.constexpr):
+                         CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait_for_previous(PDL)
     row, c = tl.program_id(0), tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     mask = offs < V
@@ -30,7 +34,9 @@ def _chunk_argmax_kernel(x_ptr, out_ptr, part_val_ptr, part_idx_ptr, V, stride_x
 
 
 @triton.jit
-def _pick_chunk_kernel(part_val_ptr, part_idx_ptr, token_ptr, num_chunks, BLOCK: tl.constexpr):
+def _pick_chunk_kernel(part_val_ptr, part_idx_ptr, token_ptr, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait_for_previous(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < num_chunks
@@ -48,8 +54,10 @@ def float_logits_and_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.T
     part_val = torch.empty(B, num_chunks, device=logits.device, dtype=torch.float32)
     part_idx = torch.empty(B, num_chunks, device=logits.device, dtype=torch.int32)
     tokens = torch.empty(B, device=logits.device, dtype=torch.int64)
+    on = pdl.enabled(str(logits.device))
     _chunk_argmax_kernel[(B, num_chunks)](logits, out, part_val, part_idx, V, logits.stride(0), out.stride(0),
-                                          num_chunks, CHUNK=CHUNK, num_warps=4)
+                                          num_chunks, CHUNK=CHUNK, PDL=on, num_warps=4, **pdl.launch_options(on))
     _pick_chunk_kernel[(B,)](part_val, part_idx, tokens, num_chunks,
-                             BLOCK=max(16, triton.next_power_of_2(num_chunks)), num_warps=1)
+                             BLOCK=max(16, triton.next_power_of_2(num_chunks)), PDL=on, num_warps=1,
+                             **pdl.launch_options(on))
     return out, tokens

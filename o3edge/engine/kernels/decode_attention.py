@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels import pdl
+
 META_TOKEN, META_POS, META_SLOT, META_TABLE = 0, 1, 2, 3
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -97,10 +99,11 @@ def _decode_attention_kernel(
         out_ptr, stride_out, part_o_ptr, part_lse_ptr, sm_scale,
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        QK_NORM: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        QK_NORM: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
-    meta = meta_ptr + b * stride_meta
+    meta = meta_ptr + b * stride_meta  # written before the step's first kernel: no wait needed
     pos = tl.load(meta + 1)
     d = tl.arange(0, HD_PAD)
     d_mask = d < HD
@@ -108,6 +111,7 @@ def _decode_attention_kernel(
     g_mask = g < G
     cos = tl.load(cos_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
+    pdl.wait_for_previous(PDL)  # q, k, v are the QKV projection's output
     row = qkv_ptr + b * stride_qkv
     q = _rope_rows(row, kvh * G + g, g_mask, d, cos, sin, HD, qn_ptr, eps, QK_NORM, dtype)  # [G_PAD, HD]
     one = tl.arange(0, 1)
@@ -161,7 +165,10 @@ def _decode_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_out, H: tl.constexpr, HD: tl.constexpr,
-                         HD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                         HD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait_for_previous(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HD_PAD)
@@ -191,17 +198,20 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, me
     else:
         part_o = part_lse = out
     norm = q_norm is not None
+    on = pdl.enabled(str(qkv.device))
     _decode_attention_kernel[(B, KVH, num_splits)](
         qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), k_cache, v_cache, k_cache.stride(0),
         q_norm if norm else cos, k_norm if norm else cos, eps, out, out.stride(0), part_o, part_lse, HD ** -0.5,
         H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, NUM_SPLITS=num_splits, QK_NORM=norm,
-        IEEE=k_cache.dtype == torch.float32, INTERPRET=INTERPRET, num_warps=4, num_stages=2)
+        IEEE=k_cache.dtype == torch.float32, INTERPRET=INTERPRET, PDL=on, num_warps=4, num_stages=2,
+        **pdl.launch_options(on))
     if num_splits > 1:
         _merge_splits_kernel[(B, num_heads)](part_o, part_lse, out, out.stride(0), H=num_heads, HD=HD,
                                              HD_PAD=triton.next_power_of_2(HD), NUM_SPLITS=num_splits,
-                                             SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=2)
+                                             SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=on, num_warps=2,
+                                             **pdl.launch_options(on))
     return out
 
 

@@ -19,12 +19,18 @@ Weights are the model's own [N, K] dense matrix, or o3edge's device-neutral INT4
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels import pdl
+from o3edge.engine.kernels.arrival import arrival_counters, last_arrival
+
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
 MAX_ROWS = 64  # the decode batches this serves; larger ones go to cuBLAS
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -117,15 +123,35 @@ def weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4: tl.constexp
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr,
+def _prefetch_weights(w_ptr, rn, n_mask, stride_w, k_start, K, INT4: tl.constexpr, BLOCK_K: tl.constexpr,
+                      TILES: tl.constexpr, PDL: tl.constexpr):
+    """Before waiting for its input, a program pulls its first weight tiles (rows rn, this split's
+    columns) into L2: weights are never written during a step."""
+    COLS: tl.constexpr = BLOCK_K // 2 if INT4 else BLOCK_K  # uint8 holds two INT4 columns
+    ELEM: tl.constexpr = 1 if INT4 else w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    if COLS * ELEM >= 128:
+        for i in tl.static_range(TILES):
+            k0 = k_start + i * BLOCK_K
+            if INT4:
+                pdl.prefetch_l2(w_ptr, rn, n_mask, stride_w, k0 // 2, (K + 1) // 2, COLS, ELEM, PDL)
+            else:
+                pdl.prefetch_l2(w_ptr, rn, n_mask, stride_w, k0, K, COLS, ELEM, PDL)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                    M, N, K: tl.constexpr, stride_x, stride_w, stride_out, stride_split, eps, K_PER_SPLIT,
                    PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr,
+                   SPLITS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = rm < M, rn < N
+    _prefetch_weights(w_ptr, rn, n_mask, stride_w, pid_k * K_PER_SPLIT, K, INT4, BLOCK_K, PREFETCH, PDL)
+    pdl.wait_for_previous(PDL)  # the activations are the previous kernel's output
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if PRO == 1:
         rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, rm, m_mask, K, stride_x, eps,
@@ -152,18 +178,15 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
         acc = acc1[None, :]
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + rn, mask=n_mask & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
-    dst = out_ptr + pid_k * stride_split + rm[:, None] * stride_out + rn[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tile = rm[:, None] * stride_out + rn[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif last_arrival(part_ptr + pid_k * stride_split + tile, acc, mask, count_ptr + pid_n, SPLITS):
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the splits in order: the same sum whoever is last
+        for s in range(SPLITS):
+            total += tl.load(part_ptr + s * stride_split + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, int, int, int]:
@@ -209,23 +232,26 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     from o3edge.engine.kernels import num_sms
 
     block_n, block_k, splits, warps = config or plan(M, N, K, int4, num_sms(str(x.device)))
-    if not x.is_cuda and config is None:  # Triton's interpreter (CPU tests): fewer, wider programs run faster
+    if INTERPRET and config is None:  # Triton's interpreter (CPU tests): fewer, wider programs run faster
         block_n = max(block_n, min(64, triton.next_power_of_2(N)))
     if int4:
         block_k = max(block_k, group_size)
     k_per_split = -(-K // (splits * block_k)) * block_k
     iters = k_per_split // block_k
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(N, block_n), splits)
     part = out if splits == 1 else torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
+    count = out if splits == 1 else arrival_counters(x.device, grid[0])
     pro = PRO_NORM if norm_weight is not None else PRO_SILU if silu else PRO_NONE
     res_out = torch.empty_like(x) if pro == PRO_NORM and residual is not None else None
-    _skinny_kernel[(triton.cdiv(N, block_n), splits)](
-        x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, part,
+    on = pdl.enabled(str(x.device))
+    _skinny_kernel[grid](
+        x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, out, part, count,
         M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
-        BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, num_warps=warps)
-    if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](part, out, M * N, SPLITS=splits, BLOCK=1024, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
+        PDL=on, PREFETCH=min(iters, pdl.prefetch_tiles()) if on else 0, num_warps=warps,
+        **pdl.launch_options(on))
     if pro == PRO_NORM:
         return out, (x if residual is None else res_out)
     return out

@@ -6,10 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels import pdl
+
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride, D, eps,
-                        BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                        BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait_for_previous(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -32,8 +36,10 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     T, D = x.shape
     out = torch.empty_like(x)
     block = triton.next_power_of_2(D)
+    on = pdl.enabled(str(x.device))
     _add_rmsnorm_kernel[(T,)](x, residual if residual is not None else x, weight, out, x.stride(0), D, eps,
-                              BLOCK=block, HAS_RES=residual is not None, num_warps=min(16, max(1, block // 256)))
+                              BLOCK=block, HAS_RES=residual is not None, PDL=on,
+                              num_warps=min(16, max(1, block // 256)), **pdl.launch_options(on))
     return out
 
 
