@@ -274,7 +274,7 @@ def capacity(a) -> dict:
     sequences running, preemptions and engine steps, and the engine's own KV stats at the peak."""
     model_dir = resolve_model_path(a.model)
     rows = {}
-    for label in SETTINGS:
+    for label in a.only.split(",") if a.only else SETTINGS:
         probe = engine(model_dir, "off", "cpu", "float32", a.threads)
         prompts, _ = held_out(probe.tokenizer, a.capacity_seqs, a.prompt_tokens)
         length = a.prompt_tokens + a.new_tokens
@@ -348,6 +348,7 @@ def main(argv=None):
     ap.add_argument("--tuned", action="store_true", help="also the router with threshold 0.5 and 32 recent tokens")
     ap.add_argument("--capacity", action="store_true", help="sequences at once in a fixed KV budget (CPU)")
     ap.add_argument("--capacity-seqs", type=int, default=8)
+    ap.add_argument("--only", default=None, help="--capacity: these settings (comma-separated labels)")
     ap.add_argument("--capacity-budget", type=float, default=3.0, help="full-precision sequences the pool holds")
     ap.add_argument("--gpu", action="store_true", help="decode speed on the GPU instead of quality on the CPU")
     ap.add_argument("--shape", default="llama-1b")

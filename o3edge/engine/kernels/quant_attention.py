@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels import pdl
 from o3edge.engine.kernels.decode_attention import _rope_rows, paged_scores, softmax_step
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -161,7 +162,8 @@ def _router_decode_kernel(
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-        INTERPRET: tl.constexpr):
+        PDL: tl.constexpr):
+    pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
     meta = meta_ptr + b * stride_meta
@@ -174,6 +176,7 @@ def _router_decode_kernel(
     g_mask = g < G
     cos = tl.load(cos_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
+    pdl.wait_for_previous(PDL)  # q, k, v are the QKV projection's output
     row = qkv_ptr + b * stride_qkv
     q = _rope_rows(row, kvh * G + g, g_mask, d, cos, sin, HD, qn_ptr, eps, QK_NORM, dtype)  # [G_PAD, HD_PAD]
     one = tl.arange(0, 1)
@@ -275,6 +278,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         part_o = part_lse = out
     norm = q_norm is not None
     rot = rotation if rotation is not None else cos
+    on = pdl.enabled(str(qkv.device))
     _router_decode_kernel[(B, KVH, num_splits)](
         qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), max_blocks, k_cache, v_cache, k_cache.stride(0),
         codes[0], codes[1], scales[0], scales[1], codes.stride(1), codes.stride(2), scales.stride(1),
@@ -284,11 +288,12 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, CBLOCK_N=max(16, triton.next_power_of_2(block_size)),
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
-        INTERPRET=INTERPRET, num_warps=4)
+        PDL=on, num_warps=4, **pdl.launch_options(on))
     if num_splits > 1:
         _merge_splits_kernel[(B, num_heads)](part_o, part_lse, out, out.stride(0), H=num_heads, HD=HD,
                                              HD_PAD=triton.next_power_of_2(HD), NUM_SPLITS=num_splits,
-                                             SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=2)
+                                             SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=on, num_warps=2,
+                                             **pdl.launch_options(on))
     return out
 
 
