@@ -3,6 +3,7 @@
 
   python tools/bench_router.py [--model DIR] [--prompts 4] [--prompt-tokens 640] [--new-tokens 256]
                                [--json docs/results/router-cpu-<date>.json] [--plot docs/img/router-cpu.png]
+  python tools/bench_router.py --capacity [--capacity-seqs 8] [--capacity-budget 3] [--json ...]
   python tools/bench_router.py --gpu [--shape llama-1b] [--context 4096] [--batch 16] [--json ...]
 
 Settings, all on the same model in the same run: `off` (full-precision KV), `uniform-int8` and
@@ -21,8 +22,9 @@ filler text of several lengths, asked for at the end; and a passage copy (the mo
 earlier and given its start at the end; the score is how many of the next 16 tokens it reproduces).
 
 GPU (--gpu): decode tokens/s at --context tokens and --batch sequences, random weights of --shape,
-bf16: `off` on the CUDA-graph decode step, `off` eager, and the four compressed settings (eager: the
-router does not run inside the CUDA graphs yet), with each setting's KV bytes per token.
+bf16: `off` on the CUDA-graph decode step, `off` eager, and the four compressed settings eager and
+with router_cuda_graphs (router_graph.py: decode steps that observe no saliency in CUDA graphs), with
+each setting's KV bytes per token and compressed share from the engine's stats.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ SETTINGS = {
     "uniform-int4": dict(kv_router="int4", router_threshold=0.0, sink_tokens=0, recent_tokens=0),
     "router-int8": dict(kv_router="int8"),
     "router-int4": dict(kv_router="int4"),
+}
+# --tuned adds these: what a 1,024-token model needs instead of the defaults (less kept for position)
+TUNED = {
+    "router-int8-tuned": dict(kv_router="int8", router_threshold=0.5, sink_tokens=4, recent_tokens=32),
+    "router-int4-tuned": dict(kv_router="int4", router_threshold=0.5, sink_tokens=4, recent_tokens=32),
 }
 NEEDLE = ("The pass key is {k}. Remember it. The pass key is {k}.\n", "\nWhat is the pass key? The pass key is")
 
@@ -96,13 +103,26 @@ def run_tokens(eng: LLMEngine, prompt: list[int], new: int, forced: list[int] | 
             n = 1
         share = 1.0
         if runner.router is not None:
-            ctx = seq.num_computed_tokens
-            used = seq.block_table[:-(-ctx // eng.blocks.block_size)]
-            share = sum(1 for b in used if not runner.router.demoted[b]) / len(used)
+            share = kept_by(eng, seq)
     finally:
         eng.blocks.free_seq(seq)
         runner.release(seq)
     return torch.stack(logits), tokens, share
+
+
+def kept_by(eng: LLMEngine, seq: Sequence) -> dict:
+    """Share of a sequence's blocks in each state at its end: compressed, or kept full precision as a
+    sink block, a block of the recent window, the block being filled, or for its saliency."""
+    bs, cfg = eng.blocks.block_size, eng.runner.router.cfg
+    ctx = seq.num_computed_tokens
+    used = seq.block_table[:-(-ctx // bs)]
+    out = dict.fromkeys(("compressed", "sink", "recent", "filling", "salient"), 0)
+    for i, b in enumerate(used):
+        lo, hi = i * bs, (i + 1) * bs
+        why = ("compressed" if eng.blocks.is_compressed(b) else "filling" if hi > ctx else "sink"
+               if lo < cfg.sink_tokens else "recent" if hi > ctx - cfg.recent_tokens else "salient")
+        out[why] += 1
+    return {k: v / len(used) for k, v in out.items()}
 
 
 def held_out(tok, n_prompts: int, length: int) -> tuple[list[list[int]], list[int]]:
@@ -158,7 +178,7 @@ def quality(a) -> dict:
         t0 = time.perf_counter()
         eng = ref if label == "off" else engine(model_dir, label, "cpu", "float32", a.threads)
         mode = SETTINGS[label]["kv_router"]
-        kls, agree, free_same, shares = [], [], [], []
+        kls, agree, free_same, shares, why = [], [], [], [], []
         for p, (ref_logits, ref_tokens, _) in zip(prompts, reference):
             logits, _, share = run_tokens(eng, p, a.new_tokens, forced=ref_tokens)
             logp_ref, logp = F.log_softmax(ref_logits, -1), F.log_softmax(logits, -1)
@@ -166,7 +186,9 @@ def quality(a) -> dict:
             agree += (logits.argmax(-1) == ref_logits.argmax(-1)).tolist()
             _, free, _ = run_tokens(eng, p, a.new_tokens)
             free_same.append(sum(x == y for x, y in zip(free, ref_tokens)) / len(ref_tokens))
-            shares.append(share)
+            shares.append(1.0 if isinstance(share, float) else 1 - share["compressed"])
+            if not isinstance(share, float):
+                why.append(share)
         needle = []
         for L, d, ids, key in needles:
             _, out, _ = run_tokens(eng, ids, 8)
@@ -189,6 +211,8 @@ def quality(a) -> dict:
             "greedy_agreement_free_per_prompt": free_same,
             "needle_found": sum(n["found"] for n in needle) / len(needle), "needle": needle,
             "copy_tokens_mean": sum(c["tokens_copied"] for c in copy) / len(copy), "copy": copy,
+            "blocks_by_state": {k: round(sum(w[k] for w in why) / len(why), 4) for k in why[0]} if why else None,
+            "engine_kv_stats": {k: v for k, v in eng.stats().items() if k.startswith("kv_")},
             "seconds": round(time.perf_counter() - t0, 1),
         }
         print(label, {k: v for k, v in rows[label].items() if not isinstance(v, list)}, flush=True)
@@ -213,8 +237,10 @@ def gpu(a) -> dict:
     budget = a.batch * (a.context + a.steps + 64) // 32 + 8  # blocks for the batch (plus room)
     runs = [("off (CUDA graphs)", "off", True), ("off (eager)", "off", False)]
     runs += [(label, label, False) for label in SETTINGS if label != "off"]
+    runs += [(f"{label} (CUDA graphs)", label, True) for label in SETTINGS if label != "off"]
     for name, label, graphs in runs:
-        eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, num_kv_blocks=budget,
+        eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, router_cuda_graphs=graphs,
+                     num_kv_blocks=budget,
                      max_num_seqs=a.batch, max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
         g = torch.Generator().manual_seed(0)
         vocab = eng.info.args.vocab_size
@@ -227,7 +253,7 @@ def gpu(a) -> dict:
         t0, n = time.perf_counter(), 0
         while eng.has_unfinished_requests():
             _, rep = eng.step()
-            n += rep.num_decode_tokens if rep else 0
+            n += sum(generated for _, generated in rep.tokens.values()) if rep else 0
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         st = eng.stats()
@@ -239,6 +265,42 @@ def gpu(a) -> dict:
         torch.cuda.empty_cache()
     return {"mode": "gpu-decode", "shape": a.shape, "context": a.context, "batch": a.batch, "steps": a.steps,
             "device": torch.cuda.get_device_name(), "results": rows}
+
+
+def capacity(a) -> dict:
+    """The same KV budget with and without the router: --capacity-seqs held-out prompts of
+    --prompt-tokens tokens, --new-tokens each, all queued at once on an engine whose pool holds
+    --capacity-budget sequences' worth of full-precision blocks. Reports the peak and mean number of
+    sequences running, preemptions and engine steps, and the engine's own KV stats at the peak."""
+    model_dir = resolve_model_path(a.model)
+    rows = {}
+    for label in a.only.split(",") if a.only else SETTINGS:
+        probe = engine(model_dir, "off", "cpu", "float32", a.threads)
+        prompts, _ = held_out(probe.tokenizer, a.capacity_seqs, a.prompt_tokens)
+        length = a.prompt_tokens + a.new_tokens
+        blocks = int(a.capacity_budget * -(-length // probe.config.kv_block_size))
+        del probe
+        eng = engine(model_dir, label, "cpu", "float32", a.threads, num_kv_blocks=blocks,
+                     max_num_seqs=a.capacity_seqs)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True))
+        t0, steps, running, peak, at_peak = time.perf_counter(), 0, [], 0, {}
+        while eng.has_unfinished_requests():
+            eng.step()
+            steps += 1
+            n = len(eng.scheduler.running)
+            running.append(n)
+            if n > peak:
+                peak, at_peak = n, {k: v for k, v in eng.stats().items() if k.startswith("kv_")}
+        st = eng.stats()
+        rows[label] = {"num_kv_blocks_budget": blocks, "full_precision_blocks": eng.blocks.num_blocks,
+                       "peak_running": peak, "mean_running": round(sum(running) / len(running), 2),
+                       "preemptions": st["preemptions"], "steps": steps, "kv_stats_at_peak": at_peak,
+                       "seconds": round(time.perf_counter() - t0, 1)}
+        print(label, rows[label], flush=True)
+    return {"mode": "cpu-capacity", "model": os.path.basename(model_dir), "sequences": a.capacity_seqs,
+            "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
+            "budget_sequences_full_precision": a.capacity_budget, "settings": SETTINGS, "results": rows}
 
 
 def table(r: dict) -> str:
@@ -283,6 +345,11 @@ def main(argv=None):
     ap.add_argument("--needle-lengths", default="256,512,896")
     ap.add_argument("--needle-depths", default="0.1,0.5,0.9")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tuned", action="store_true", help="also the router with threshold 0.5 and 32 recent tokens")
+    ap.add_argument("--capacity", action="store_true", help="sequences at once in a fixed KV budget (CPU)")
+    ap.add_argument("--capacity-seqs", type=int, default=8)
+    ap.add_argument("--only", default=None, help="--capacity: these settings (comma-separated labels)")
+    ap.add_argument("--capacity-budget", type=float, default=3.0, help="full-precision sequences the pool holds")
     ap.add_argument("--gpu", action="store_true", help="decode speed on the GPU instead of quality on the CPU")
     ap.add_argument("--shape", default="llama-1b")
     ap.add_argument("--context", type=int, default=4096)
@@ -293,10 +360,12 @@ def main(argv=None):
     ap.add_argument("--plot", default=None)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
-    r = gpu(a) if a.gpu else quality(a)
+    if a.tuned:
+        SETTINGS.update(TUNED)
+    r = gpu(a) if a.gpu else capacity(a) if a.capacity else quality(a)
     r.update(date=datetime.date.today().isoformat(), machine=platform.machine(), python=platform.python_version(),
              torch=torch.__version__)
-    if not a.gpu:
+    if not a.gpu and not a.capacity:
         print(table(r))
         if a.plot:
             plot(r, a.plot)

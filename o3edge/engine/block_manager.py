@@ -184,13 +184,17 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free[block_id] = None
-                if block.hash is not None and self.on_cached_free is not None:
-                    self.on_cached_free(block)
+                self._release(block)
         seq.block_table = []
         seq.cold_pending = []
         seq.num_computed_tokens = 0
         self.seq_hashes.pop(seq.seq_id, None)
+
+    def _release(self, block: Block) -> None:
+        """A block lost its last holder: it joins the free list (a named one stays findable)."""
+        self.free[block.block_id] = None
+        if block.hash is not None and self.on_cached_free is not None:
+            self.on_cached_free(block)
 
     @property
     def hit_rate(self) -> float:

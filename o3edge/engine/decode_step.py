@@ -78,8 +78,10 @@ class Step:
 
 
 def decode_forward(model, meta: torch.Tensor, cos, sin, kv_cache, block_size: int, num_splits: int,
-                   fused: bool = True):
-    """meta [B, 3 + blocks] -> (logits [B, V] float32, greedy tokens [B])."""
+                   fused: bool = True, attention=None):
+    """meta [B, 3 + blocks] -> (logits [B, V] float32, greedy tokens [B]). `attention`, when given,
+    replaces decode_attention: attention(layer, qkv, cos, sin, meta, heads, splits, q_norm, k_norm, eps)
+    (the token router's two-pool step, router_graph.py)."""
     from o3edge.engine.kernels.argmax import float_logits_and_argmax
     from o3edge.engine.kernels.decode_attention import decode_attention
 
@@ -91,8 +93,11 @@ def decode_forward(model, meta: torch.Tensor, cos, sin, kv_cache, block_size: in
         attn = layer.attn
         qkv, residual = step.norm_linear(h, residual, layer.input_norm.weight, attn.qkv)
         qn, kn = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
-        o = decode_attention(qkv, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1], attn.num_heads,
-                             block_size, num_splits, qn, kn, eps)
+        if attention is None:
+            o = decode_attention(qkv, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1], attn.num_heads,
+                                 block_size, num_splits, qn, kn, eps)
+        else:
+            o = attention(i, qkv, cos, sin, meta, attn.num_heads, num_splits, qn, kn, eps)
         gate_up, residual = step.norm_linear(step.linear(o, attn.o), residual, layer.post_norm.weight,
                                              layer.mlp.gate_up)
         h = step.silu_linear(gate_up, layer.mlp.down)

@@ -118,6 +118,12 @@ class LLMEngine:
         max_len = min(config.max_model_len or min(args.max_position_embeddings, 4096), args.max_position_embeddings)
         block_bytes = ModelRunner.block_bytes(args, config.kv_block_size, dtype)
         num_blocks = config.num_kv_blocks or kv_blocks_needed(config, max_len, block_bytes)
+        if config.kv_router != "off" and not onnx:  # the compressed pool's scales come out of the same budget
+            from o3edge.engine.router import full_blocks_in_budget
+
+            num_blocks = full_blocks_in_budget(num_blocks, block_bytes, config.kv_router, args.num_layers,
+                                               args.num_kv_heads, args.head_dim, config.kv_block_size,
+                                               torch.tensor([], dtype=dtype).element_size())
         if onnx:
             self.runner = OrtRunner(model_dir, device, config.num_threads or default_num_threads(), config.seed)
         else:
@@ -135,7 +141,15 @@ class LLMEngine:
         kv_shape = f"{args.num_layers}x2x{config.kv_block_size}x{args.num_kv_heads}x{args.head_dim}"
         layout = f"{device.type}:{dtype}:{kv_shape}"  # what one block's bytes mean
         identity = fp if onnx else model_identity(model_dir, fp, layout, weight_files(model_dir))
-        self.blocks = BlockManager(num_blocks, config.kv_block_size, identity, prefix_reuse)
+        if config.kv_router == "off" or onnx:
+            self.blocks = BlockManager(num_blocks, config.kv_block_size, identity, prefix_reuse)
+        else:  # demoted blocks give their full-precision space back (engine/router_blocks.py)
+            from o3edge.engine.router import per_host
+            from o3edge.engine.router_blocks import RouterBlocks
+
+            elem = torch.tensor([], dtype=dtype).element_size()
+            self.blocks = RouterBlocks(num_blocks, config.kv_block_size, identity, prefix_reuse,
+                                       per_host(config.kv_router, args.head_dim, elem))
         self.offloader = self._cold_tier(config, identity, block_bytes) if prefix_reuse else None
         self.policy = config.policy  # replaced whole by set_policy (a reload)
         if config.kv_router != "off":
@@ -177,20 +191,15 @@ class LLMEngine:
         return offloader
 
     def _router(self, config: O3Config) -> None:
-        """Token router on (engine/router.py): a compressed KV pool beside the full-precision one; a block
-        handed out again starts full precision."""
+        """Token router on (engine/router.py): its compressed pool lives in the KV pool's bytes, and the
+        block books (RouterBlocks) carry out the demotions it plans."""
         from o3edge.engine.router import RouterConfig
 
+        graphs = self.runner.device.type == "cuda" and config.cuda_graphs and config.router_cuda_graphs
         self.runner.enable_router(RouterConfig(config.kv_router, config.router_threshold, config.sink_tokens,
-                                               config.recent_tokens, config.router_refresh_steps))
-        router, before = self.runner.router, self.blocks.on_reuse
-
-        def on_reuse(block_id: int) -> None:
-            if before is not None:
-                before(block_id)  # the cold tier's copy of the old contents comes first
-            router.reset_block(block_id)
-
-        self.blocks.on_reuse = on_reuse
+                                               config.recent_tokens, config.router_refresh_steps),
+                                  config.max_num_seqs if graphs else 0)
+        self.blocks.demoter = self.runner.router
         log.info("token router: %s pool, threshold %.2f, %d sink and %d recent tokens full precision",
                  config.kv_router, config.router_threshold, config.sink_tokens, config.recent_tokens)
 
@@ -373,4 +382,4 @@ class LLMEngine:
         if router is None:
             per_block = self.info.kv_cache_bytes // max(1, self.info.num_kv_blocks)
             return {"kv_router": "off", "kv_bytes_per_token": per_block // self.info.kv_block_size}
-        return router.stats([b.block_id for b in self.blocks.blocks if b.ref_count > 0 or b.hash is not None])
+        return router.stats(self.blocks)

@@ -14,16 +14,28 @@ block (all its tokens computed) that holds no salient token, no attention sink (
 quantized (engine/kv_quant.py) into the compressed pool and attention reads them from there. Keys
 are cached after RoPE, so a block's place in either pool does not change what it means. A demoted
 block stays demoted while it lives; precision is a property of the block, so every sequence sharing
-it through the prefix cache reads the same compressed copy, and its hash does not change.
+it through the prefix cache reads the same compressed copy, and its hash does not change. A block
+another sequence also holds is not demoted (one sequence's saliency does not decide for the other).
+Routing decides in the step; the demotions are carried out when the engine marks the step's tokens
+computed (after the blocks sealed in the step are named, so a named block's full-precision copy
+can be offered to the cold tier first).
 
-The compressed pool is indexed by the same block ids as the full-precision pool, and the block's
-full-precision slots keep their bytes (they are not reused for other blocks yet): the router saves
-the bytes attention reads, and `stats` reports the bytes per token of what attention reads; freeing
-a demoted block's full-precision space for more sequences is planned, not built.
+Memory: the compressed pool lives in the full-precision pool's own bytes. A full-precision block can
+host `per_host` compressed blocks (codes only: INT8 2 and INT4 4 per bf16 block, twice that per
+float32 block); their float16 scales sit in a small table beside the pool, counted in the same
+budget (`full_blocks_in_budget`). Demoting a block moves it: its codes go into a free compressed
+slot (or, when none is free, into the block's own bytes, which then host it and `per_host - 1` free
+slots), its table entry, hash and cache entry move to the compressed block id, and its
+full-precision block goes back to the free list (engine/router_blocks.py keeps these books). Block
+ids from `num_full_blocks` up are compressed: id `num_full_blocks + c` is compressed block c, at
+compressed slots [c * block_size, (c + 1) * block_size) of `codes`/`scales`, inside host block
+c // per_host.
 
 Attention over both pools: each sequence's keys are split into its full-precision positions and its
 compressed ones; each part gives a partial result and its log-sum-exp, and the two are merged. On
 CUDA a decode step's compressed part runs in kernels/quant_attention.py; everything else in torch.
+With router_cuda_graphs, decode steps that observe nothing run both pools in one kernel inside the
+CUDA-graph step instead (router_graph.py).
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from o3edge.engine.kv_quant import code_dim, bytes_per_vector, dequantize, hadamard, quantize
+from o3edge.engine.kv_quant import bytes_per_vector, code_dim, dequantize, hadamard, quantize
 
 ROUTER_MODES = ("off", "int8", "int4")
 
@@ -124,52 +136,84 @@ class RouterStep:
         return out
 
 
-class KVRouter:
-    """The compressed pool, the per-block precision flags, the per-sequence saliency, the policy."""
+def per_host(mode: str, head_dim: int, elem: int) -> int:
+    """Compressed blocks one full-precision block's bytes hold (codes only): elem * head_dim / code_dim."""
+    return head_dim * elem // code_dim(mode, head_dim)
 
-    def __init__(self, cfg: RouterConfig, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
-                 block_size: int, device: torch.device, full_bytes_per_token: int):
-        self.cfg, self.block_size, self.device = cfg, block_size, device
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+
+def scale_bytes_per_block(num_layers: int, kv_heads: int, block_size: int) -> int:
+    """Bytes of one compressed block's float16 scales (K and V, every layer)."""
+    return num_layers * 2 * block_size * kv_heads * 2
+
+
+def full_blocks_in_budget(num_blocks: int, block_bytes: int, mode: str, num_layers: int, kv_heads: int,
+                          head_dim: int, block_size: int, elem: int) -> int:
+    """Full-precision blocks that fit a budget of num_blocks blocks once every block carries the scale
+    table of the compressed blocks it can host (3-6% of the bytes)."""
+    scales = per_host(mode, head_dim, elem) * scale_bytes_per_block(num_layers, kv_heads, block_size)
+    return max(2, num_blocks * block_bytes // (block_bytes + scales))
+
+
+class KVRouter:
+    """The compressed pool's views and scale table, the per-sequence saliency, the routing policy.
+
+    Books on which block is where are kept by engine/router_blocks.py; this class holds tensors."""
+
+    def __init__(self, cfg: RouterConfig, kv_cache: torch.Tensor, num_full_blocks: int, block_size: int,
+                 full_bytes_per_token: int):
+        L, _, _, kv_heads, head_dim = kv_cache.shape
+        self.cfg, self.block_size, self.device = cfg, block_size, kv_cache.device
+        self.num_layers, self.kv_heads, self.head_dim = L, kv_heads, head_dim
+        self.num_full_blocks = num_full_blocks
+        self.per_host = per_host(cfg.mode, head_dim, kv_cache.element_size())
+        self.kv_cache = kv_cache
         cd = code_dim(cfg.mode, head_dim)
         ctype = torch.int8 if cfg.mode == "int8" else torch.uint8
-        self.codes = torch.zeros(num_layers, 2, num_slots, kv_heads, cd, dtype=ctype, device=device)
-        self.scales = torch.zeros(num_layers, 2, num_slots, kv_heads, dtype=torch.float16, device=device)
-        self.rotation = hadamard(head_dim, device=device) if cfg.mode == "int4" else None
-        self.demoted = [False] * (num_slots // block_size)
+        # the pool's bytes seen as codes: compressed slot s of layer l, K/V t at codes[l, t, s]
+        self.codes = kv_cache.view(ctype).view(L, 2, -1, kv_heads, cd)
+        comp_slots = num_full_blocks * self.per_host * block_size
+        self.scales = torch.zeros(L, 2, comp_slots, kv_heads, dtype=torch.float16, device=self.device)
+        self.rotation = hadamard(head_dim, device=self.device) if cfg.mode == "int4" else None
         self.seqs: dict[int, _SeqSaliency] = {}
+        self.plans: dict[int, list[tuple[int, int]]] = {}  # seq_id -> (table index, block id) to demote
         self.full_bytes_per_token = full_bytes_per_token
-        self.comp_bytes_per_token = num_layers * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
-        self.num_demoted_blocks = 0  # ever
+        self.comp_bytes_per_token = L * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
+        self.host_bytes = block_size * full_bytes_per_token + self.per_host * scale_bytes_per_block(
+            L, kv_heads, block_size)
 
-    # ---- blocks ----------------------------------------------------------------------------
-    def demote(self, block_id: int, kv_cache: torch.Tensor) -> None:
-        """Quantize a block's K/V (all layers) into the compressed pool; attention reads it there."""
+    def is_compressed(self, block_id: int) -> bool:
+        return block_id >= self.num_full_blocks
+
+    # ---- blocks (called by router_blocks.RouterBlocks) ---------------------------------------
+    def compress(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A full-precision block's K/V (all layers), quantized: (codes, scales), new tensors."""
         lo, hi = block_id * self.block_size, (block_id + 1) * self.block_size
-        codes, scales = quantize(kv_cache[:, :, lo:hi], self.cfg.mode, self.rotation)
+        return quantize(self.kv_cache[:, :, lo:hi], self.cfg.mode, self.rotation)
+
+    def store(self, comp: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Write compressed block `comp` (0-based in the compressed pool)."""
+        lo, hi = comp * self.block_size, (comp + 1) * self.block_size
         self.codes[:, :, lo:hi] = codes
         self.scales[:, :, lo:hi] = scales
-        self.demoted[block_id] = True
-        self.num_demoted_blocks += 1
 
-    def reset_block(self, block_id: int) -> None:
-        """A free block is handed out again: its new contents are full precision."""
-        self.demoted[block_id] = False
+    def take_plan(self, seq_id: int) -> list[tuple[int, int]]:
+        return self.plans.pop(seq_id, [])
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
+        self.plans.pop(seq_id, None)
 
     # ---- steps -----------------------------------------------------------------------------
     def begin_step(self, batch) -> RouterStep:
         """The per-sequence key split and observation plan of a step over batch [(seq, n)]."""
-        bs, parts, row = self.block_size, [], 0
+        bs, parts, row, nf = self.block_size, [], 0, self.num_full_blocks
         for seq, n in batch:
             start = seq.num_computed_tokens
             ctx = start + n
             pos = torch.arange(ctx)
-            table = torch.tensor(seq.block_table[:-(-ctx // bs)], dtype=torch.long)
-            slots = table[pos // bs] * bs + pos % bs
-            comp = torch.tensor([self.demoted[b] for b in seq.block_table[:-(-ctx // bs)]], dtype=torch.bool)[pos // bs]
+            ids = torch.tensor(seq.block_table[:-(-ctx // bs)], dtype=torch.long)[pos // bs]
+            comp = ids >= nf
+            slots = torch.where(comp, ids - nf, ids) * bs + pos % bs  # full pool slot or compressed slot
             state = self.seqs.setdefault(seq.seq_id, _SeqSaliency())
             state.grow(ctx)
             if seq.num_output_tokens > 0:  # decode: the query of the step that routes
@@ -183,8 +227,19 @@ class KVRouter:
             row += n
         return RouterStep(self, parts)
 
-    def end_step(self, batch, kv_cache: torch.Tensor) -> None:
-        """Route the sequences whose prompt just ended, and the decoding ones due for a refresh."""
+    def observes(self, batch) -> bool:
+        """Whether a step over batch observes attention for saliency (or starts a sequence's books):
+        such steps run eager (router_graph.py)."""
+        for seq, n in batch:
+            state = self.seqs.get(seq.seq_id)
+            if state is None or n != 1 or seq.num_output_tokens == 0 \
+                    or state.steps_since_route + 1 >= self.cfg.refresh_steps:
+                return True
+        return False
+
+    def end_step(self, batch) -> None:
+        """Route the sequences whose prompt just ended, and the decoding ones due for a refresh: plan
+        the demotions, which RouterBlocks.mark_computed carries out."""
         for seq, n in batch:
             ctx = seq.num_computed_tokens + n
             if ctx < len(seq):
@@ -195,9 +250,10 @@ class KVRouter:
                 continue
             state.steps_since_route = 0
             table = seq.block_table
-            flags = [self.demoted[b] for b in table[:ctx // self.block_size]]
-            for i in blocks_to_demote(state.saliency(ctx), ctx, self.block_size, self.cfg, flags):
-                self.demote(table[i], kv_cache)
+            flags = [self.is_compressed(b) for b in table[:ctx // self.block_size]]
+            plan = blocks_to_demote(state.saliency(ctx), ctx, self.block_size, self.cfg, flags)
+            if plan:
+                self.plans[seq.seq_id] = [(i, table[i]) for i in plan]
 
     # ---- attention -------------------------------------------------------------------------
     def attend_seq(self, layer: int, q: torch.Tensor, k_cache, v_cache, part: _SeqStep) -> torch.Tensor:
@@ -265,16 +321,21 @@ class KVRouter:
         state.count[:ctx] += seen
 
     # ---- figures ---------------------------------------------------------------------------
-    def stats(self, blocks_in_use: list[int]) -> dict:
-        """KV bytes per token and the share of tokens in each pool, over the blocks in use."""
-        n = len(blocks_in_use)
-        comp = sum(1 for b in blocks_in_use if self.demoted[b])
-        full_share = (n - comp) / n if n else 1.0
-        per_token = full_share * self.full_bytes_per_token + (1 - full_share) * self.comp_bytes_per_token
-        return {"kv_router": self.cfg.mode, "kv_bytes_per_token": round(per_token, 1),
+    def stats(self, blocks) -> dict:
+        """Memory the blocks holding K/V (in use or cached) really take, per token they hold, and the
+        share of those tokens in each pool. A host block counts whole (its free compressed slots too),
+        with its scale table; blocks: the engine's RouterBlocks."""
+        full, comp = blocks.held_blocks()
+        hosts = blocks.num_host_blocks
+        tokens = (full + comp) * self.block_size
+        held = full * self.block_size * self.full_bytes_per_token + hosts * self.host_bytes
+        share = full / (full + comp) if full + comp else 1.0
+        return {"kv_router": self.cfg.mode,
+                "kv_bytes_per_token": round(held / tokens, 1) if tokens else float(self.full_bytes_per_token),
                 "kv_full_precision_bytes_per_token": self.full_bytes_per_token,
-                "kv_tokens_full_share": round(full_share, 4), "kv_tokens_compressed_share": round(1 - full_share, 4),
-                "kv_blocks_demoted_total": self.num_demoted_blocks}
+                "kv_tokens_full_share": round(share, 4), "kv_tokens_compressed_share": round(1 - share, 4),
+                "kv_blocks_compressed": comp, "kv_host_blocks": hosts,
+                "kv_blocks_demoted_total": blocks.num_demoted}
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, kv_heads: int) -> torch.Tensor:

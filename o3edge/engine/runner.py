@@ -63,17 +63,22 @@ class ModelRunner:
             if self.prefill_graphs is not None:
                 self.prefill_graphs.capture_all()
 
-    def enable_router(self, cfg) -> None:
-        """Token router on (engine/router.py): every step runs the model's eager forward, attention over
-        both KV pools; the static decode paths (CUDA graphs, CPU spans) are not used."""
+    def enable_router(self, cfg, graph_batch: int = 0) -> None:
+        """Token router on (engine/router.py): steps run the model's eager forward, attention over both
+        KV pools; with graph_batch (CUDA), decode steps that observe no saliency replay CUDA graphs of
+        up to that many sequences (router_graph.py). The CPU span path and prefill graphs are not used."""
         from o3edge.engine.router import KVRouter
 
-        a = self.args
-        full = self.block_bytes(a, self.block_size, self.dtype) // self.block_size
-        self.router = KVRouter(cfg, a.num_layers, self.kv_cache.shape[2], a.num_kv_heads, a.head_dim,
-                               self.block_size, self.device, full)
+        full = self.block_bytes(self.args, self.block_size, self.dtype) // self.block_size
+        self.router = KVRouter(cfg, self.kv_cache, self.num_blocks, self.block_size, full)
         self.graphs = self.prefill_graphs = self.cpu_decode = None
         self.paged_prefill = False  # the router attends over the gathered keys and its compressed pool
+        if graph_batch:
+            from o3edge.engine.router_graph import RouterDecodeGraphs
+
+            self.graphs = RouterDecodeGraphs(self, graph_batch, capture=self.device.type == "cuda")
+            if self.graphs.capture:
+                self.graphs.capture_all()
 
     def enable_cpu_compile(self, max_batch: int) -> None:
         """Decode steps of a quantized CPU engine through the compiled step (cpu_compiled.py), warmed up now."""
@@ -92,11 +97,14 @@ class ModelRunner:
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
         greedy_only = all(batch[i][0].params.greedy for i in done)
         picked = None
-        if self.router is not None:
+        if self.router is not None and self.graphs is not None and self.graphs.fits(batch):
+            logits, picked = self.graphs.run(batch, greedy_only)  # router_graph.py: both pools in the graph
+            self.router.end_step(batch)
+        elif self.router is not None:
             input_ids, positions, step = self.prepare(batch)
             step.router = self.router.begin_step(batch)
             logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
-            self.router.end_step(batch, self.kv_cache)
+            self.router.end_step(batch)  # plans demotions: blocks.mark_computed carries them out
         elif self.graphs is not None and self.graphs.fits(batch):
             logits, picked = self.graphs.run(batch, greedy_only)  # decode: greedy picked on the GPU
         else:

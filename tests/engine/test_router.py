@@ -76,27 +76,35 @@ def test_sinks_and_recent_window_are_never_demoted():
 
 # ---- two-pool attention --------------------------------------------------------------------------
 
+def demote_by_hand(router, block_id, comp):
+    """Quantize full-precision block block_id into compressed block comp; its id in a table becomes this."""
+    router.store(comp, *router.compress(block_id))
+    return router.num_full_blocks + comp
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_two_pool_attention_equals_dequantize_then_attend(mode):
     """A sequence with some blocks demoted: the merged result equals one softmax over full-precision
     keys where they stayed and dequantized keys where they were demoted."""
     torch.manual_seed(3)
-    L, bs, KVH, H, hd, nblocks = 2, 8, 2, 6, 64, 6
-    slots = (nblocks + 1) * bs
-    kv = torch.randn(L, 2, slots, KVH, hd)
-    router = KVRouter(RouterConfig(mode), L, slots, KVH, hd, bs, torch.device("cpu"), 1)
-    for b in (1, 3):
-        router.demote(b, kv)
+    L, bs, KVH, H, hd, nblocks = 2, 8, 2, 6, 64, 12
+    kv = torch.randn(L, 2, (nblocks + 1) * bs, KVH, hd)
+    ref = kv.clone()
+    router = KVRouter(RouterConfig(mode), kv, nblocks, bs, 1)
     seq = Sequence("s", list(range(41)), GREEDY)
-    seq.block_table, seq.num_computed_tokens = [0, 1, 2, 3, 4, 5], 37  # 4 queries: positions 37..40
+    # blocks 1 and 3 demoted into compressed blocks hosted by block 11 (its bytes become codes)
+    c1, c3 = 11 * router.per_host, 11 * router.per_host + 1
+    seq.block_table = [0, demote_by_hand(router, 1, c1), 2, demote_by_hand(router, 3, c3), 4, 5]
+    seq.num_computed_tokens = 37  # 4 queries: positions 37..40
     step = router.begin_step([(seq, 4)])
     q = torch.randn(4, H, hd)
     out = step.attend(1, q, kv[1, 0], kv[1, 1])
-    k, v = kv[1, 0, :41].clone(), kv[1, 1, :41].clone()
-    for b in (1, 3):
-        r = slice(b * bs, (b + 1) * bs)
-        k[r] = dequantize(router.codes[1, 0, r], router.scales[1, 0, r], mode, router.rotation)
-        v[r] = dequantize(router.codes[1, 1, r], router.scales[1, 1, r], mode, router.rotation)
+    k, v = ref[1, 0, :41].clone(), ref[1, 1, :41].clone()
+    for b, c in ((1, c1), (3, c3)):
+        r, rc = slice(b * bs, (b + 1) * bs), slice(c * bs, (c + 1) * bs)
+        k[r] = dequantize(router.codes[1, 0, rc], router.scales[1, 0, rc], mode, router.rotation)
+        v[r] = dequantize(router.codes[1, 1, rc], router.scales[1, 1, rc], mode, router.rotation)
+    assert torch.equal(kv[:, :, :11 * bs], ref[:, :, :11 * bs])  # only the host's bytes were written
     scores = torch.einsum("nhd,shd->hns", q, k.repeat_interleave(3, 1)) * hd ** -0.5
     scores = scores.masked_fill(torch.arange(41)[None, None] > torch.arange(37, 41)[None, :, None], float("-inf"))
     want = torch.einsum("hns,shd->nhd", torch.softmax(scores, -1), v.repeat_interleave(3, 1))
@@ -110,15 +118,16 @@ def test_two_pool_decode_on_the_gpu_matches_the_cpu(mode):
     the CPU's torch path on the same cache."""
     torch.manual_seed(6)
     L, bs, KVH, H, hd = 2, 16, 2, 8, 64
-    kv = torch.randn(L, 2, 8 * bs, KVH, hd)
+    kv = torch.randn(L, 2, 12 * bs, KVH, hd)
     outs = []
     for dev in ("cpu", "cuda"):
-        router = KVRouter(RouterConfig(mode), L, 8 * bs, KVH, hd, bs, torch.device(dev), 1)
-        cache = kv.to(dev)
-        for b in (1, 2, 4):
-            router.demote(b, cache)
+        cache = kv.clone().to(dev)
+        router = KVRouter(RouterConfig(mode), cache, 11, bs, 1)
         seq = Sequence("s", list(range(7 * bs - 3)), GREEDY)
-        seq.block_table, seq.num_computed_tokens = list(range(7)), 7 * bs - 4
+        seq.block_table = list(range(7))
+        for n, b in enumerate((1, 2, 4)):
+            seq.block_table[b] = demote_by_hand(router, b, 10 * router.per_host + n)
+        seq.num_computed_tokens = 7 * bs - 4
         step = router.begin_step([(seq, 1)])
         q = torch.randn(1, H, hd, generator=torch.Generator().manual_seed(7)).to(dev)
         outs.append(step.attend(0, q, cache[0, 0], cache[0, 1]).cpu())
@@ -174,7 +183,7 @@ def test_router_on_is_deterministic_and_demotes_only_eligible_blocks(tiny_dir, m
     runs = []
     for _ in range(2):
         m = load(tiny_dir, kv_router=mode, **ROUTED)
-        eng, router = m.engine, m.engine.runner.router
+        eng = m.engine
         prompts = [eng.encode(PROMPT + f"What is module {i}?") for i in range(3)]
         for i, p in enumerate(prompts):
             eng.add_request(str(i), p, GREEDY)
@@ -186,83 +195,86 @@ def test_router_on_is_deterministic_and_demotes_only_eligible_blocks(tiny_dir, m
                 ctx = seq.num_computed_tokens
                 for i, block_id in enumerate(seq.block_table[:-(-ctx // 8)]):
                     if i * 8 < 4 or (i + 1) * 8 > ctx - 16:
-                        assert not router.demoted[block_id]
+                        assert not eng.blocks.is_compressed(block_id)
                         checked += 1
-        assert checked and router.num_demoted_blocks > 0
+        assert checked and eng.blocks.num_demoted > 0
         runs.append([outs[str(i)] for i in range(3)])
     assert runs[0] == runs[1]
 
 
-def test_stats_show_bytes_per_token_and_pool_shares(tiny_dir):
+def test_stats_show_bytes_per_token_and_pool_shares_of_what_is_allocated(tiny_dir):
     off = load(tiny_dir, **ROUTED)
     on = load(tiny_dir, kv_router="int4", **ROUTED)
     ids = on.engine.encode(PROMPT)
     for m in (off, on):
         m.generate_batch([ids], GREEDY)
-    s_off, s_on = off.engine.stats(), on.engine.stats()
+    s_off, s_on, blocks = off.engine.stats(), on.engine.stats(), on.engine.blocks
     assert s_off["kv_router"] == "off" and "kv_tokens_compressed_share" not in s_off
-    assert 0 < s_on["kv_tokens_compressed_share"] < 1
+    full = sum(1 for b in blocks.blocks[:blocks.num_blocks] if b.hash is not None)
+    comp = sum(1 for b in blocks.blocks[blocks.num_blocks:] if b.hash is not None)
+    assert comp == s_on["kv_blocks_compressed"] > 0 and s_on["kv_host_blocks"] == -(-comp // blocks.per_host)
+    assert s_on["kv_tokens_compressed_share"] == pytest.approx(comp / (full + comp), abs=1e-4)
     assert s_on["kv_tokens_full_share"] + s_on["kv_tokens_compressed_share"] == pytest.approx(1)
     assert s_on["kv_bytes_per_token"] < s_off["kv_bytes_per_token"] == s_on["kv_full_precision_bytes_per_token"]
+    # the demoted blocks' full-precision space is free again: in use or cached, full blocks and hosts only
+    assert s_on["kv_blocks_total"] - s_on["kv_blocks_free"] == 0
+    assert len(blocks.free) + blocks.num_host_blocks == blocks.num_blocks
 
 
-def test_prefix_hit_reuses_a_demoted_block_under_the_same_hash(tiny_dir):
+def test_prefix_hit_on_a_compressed_block_is_served_from_the_compressed_copy(tiny_dir):
     m = load(tiny_dir, kv_router="int8", **ROUTED)
-    eng, router = m.engine, m.engine.runner.router
+    eng = m.engine
     first = eng.encode(PROMPT + "What is os?")
     m.generate_batch([first], GREEDY)
-    demoted = {b.hash: b.block_id for b in eng.blocks.blocks if b.hash is not None and router.demoted[b.block_id]}
-    assert demoted
-    again = m.generate_batch([first], GREEDY)[0]
-    assert again.cached_tokens > 0
-    for h, block_id in demoted.items():  # same name, same block, still compressed
-        assert eng.blocks.cached.get(h) == block_id and router.demoted[block_id]
+    compressed = {b.hash: b.block_id for b in eng.blocks.blocks if b.hash is not None
+                  and eng.blocks.is_compressed(b.block_id)}
+    assert compressed
+    eng.add_request("again", first, GREEDY)
+    eng.step()  # admitted: its table starts with the cached blocks, compressed ones under their old ids
+    seq = eng.seqs["again"]
+    seen = [b for b in seq.block_table if b in compressed.values()]
+    assert seen and seq.num_cached_tokens > 0
+    while eng.has_unfinished_requests():
+        eng.step()
+    for h, block_id in compressed.items():  # same name, same compressed block
+        assert eng.blocks.cached.get(h) == block_id
     fresh = load(tiny_dir, kv_router="int8", **ROUTED)  # a second engine replays the same two requests
     fresh.generate_batch([first], GREEDY)
-    assert fresh.generate_batch([first], GREEDY)[0].token_ids == again.token_ids
-
-
-def test_a_reused_block_starts_full_precision(tiny_dir):
-    m = load(tiny_dir, kv_router="int8", num_kv_blocks=40, dynamic_kv_cache=False, **ROUTED)
-    eng, router = m.engine, m.engine.runner.router
-    m.generate_batch([eng.encode(PROMPT)], GREEDY)
-    assert any(router.demoted)
-    m.generate_batch([eng.encode("import os\n" * 3)], SamplingParams(max_new_tokens=4, ignore_eos=True))
-    short = eng.encode("import os\n" * 3)
-    seq_blocks = -(-(len(short) + 4) // 8)
-    assert eng.blocks.num_free_blocks == 40
-    # the short request took the least recently freed blocks, whatever they held: none reads as compressed
-    taken = list(eng.blocks.free)[-seq_blocks:]
-    assert not any(router.demoted[b] for b in taken)
+    assert fresh.generate_batch([first], GREEDY)[0].token_ids == m.generate_batch([first], GREEDY)[0].token_ids
 
 
 def test_cold_tier_keeps_the_full_precision_copy_of_a_demoted_block(tiny_dir, shm):
-    """A demoted block that leaves the hot pool goes to the cold tier at full precision and comes back
-    bit-identical into a fresh (full-precision) block: promotion without loss."""
+    """A named block goes to the cold tier at full precision when it is demoted (its hot copy is then
+    compressed); once the compressed copy is gone too, a hit comes back from the cold tier
+    bit-identical, at full precision, into a fresh block: promotion without loss."""
     kw = dict(ROUTED, kv_block_size=16, recent_tokens=32, router_threshold=0.0)
-    m = load(tiny_dir, kv_router="int8", num_kv_blocks=12, cold_tier_mb=8, cold_tier_dir=shm, **kw)
+    m = load(tiny_dir, kv_router="int8", num_kv_blocks=13, cold_tier_mb=8, cold_tier_dir=shm, **kw)
     eng, runner = m.engine, m.engine.runner
+    offered = {}
+    offer = eng.blocks.on_cached_free
+
+    def keep_a_copy(block):  # what the block holds when it is offered (at demotion: still full precision)
+        copy = runner.kv_cache[:, :, block.block_id * 16:(block.block_id + 1) * 16].clone()
+        offered.setdefault(block.hash, []).append(copy)
+        offer(block)
+
+    eng.blocks.on_cached_free = keep_a_copy
     prompt = eng.encode(PROMPT)[:96]
     m.generate_batch([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
     eng.offloader.drain()
-    full = (len(prompt) - 1) // 16
-    chunks = {tuple(prompt[i * 16:(i + 1) * 16]) for i in range(full)}
-    named = {b.hash: b.block_id for b in eng.blocks.blocks if b.hash is not None and tuple(b.token_ids) in chunks}
-    was_demoted = {h for h, b in named.items() if runner.router.demoted[b]}
-    assert was_demoted
-    before = {h: runner.kv_cache[:, :, b * 16:(b + 1) * 16].clone() for h, b in named.items()}
+    was_demoted = {b.hash for b in eng.blocks.blocks[eng.blocks.num_blocks:] if b.hash is not None}
+    assert was_demoted and was_demoted <= set(offered)
     other = eng.encode("Weather report: rain over the hills, then sun in the afternoon. " * 12)[:170]
-    m.generate_batch([other], SamplingParams(max_new_tokens=8, ignore_eos=True))  # needs 11 of the 12 blocks
+    m.generate_batch([other], SamplingParams(max_new_tokens=8, ignore_eos=True))  # needs every block
     eng.offloader.drain()
-    assert not set(named) & set(eng.blocks.cached)
+    assert not was_demoted & set(eng.blocks.cached)  # the compressed copies were dropped with their host
     m.generate_batch([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert eng.stats()["cold_hit_tokens"] > 0
-    restored = 0
-    for block in eng.blocks.blocks:
-        if block.hash in was_demoted and eng.blocks.cached.get(block.hash) == block.block_id:
-            assert torch.equal(runner.kv_cache[:, :, block.block_id * 16:(block.block_id + 1) * 16], before[block.hash])
-            restored += 1
-    assert restored
+    # the restored blocks were demoted again at the prompt's end: what they held then is what left
+    again = [h for h in was_demoted if len(offered[h]) > 1]
+    assert again
+    for h in again:
+        assert torch.equal(offered[h][1], offered[h][0])
     eng.close()
 
 
@@ -273,8 +285,55 @@ def test_router_on_the_gpu_is_deterministic_and_demotes(tiny_dir, mode):
     for _ in range(2):
         m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cuda", dtype="float32", kv_router=mode,
                                          router_threshold=0.0, **ROUTED))
-        assert m.engine.runner.graphs is None  # eager: the router is not in the CUDA graphs yet
         ids = [m.engine.encode(PROMPT + f"What is module {i}?") for i in range(3)]
         runs.append([r.token_ids for r in m.generate_batch(ids, GREEDY)])
-        assert m.engine.runner.router.num_demoted_blocks > 0
+        assert m.engine.blocks.num_demoted > 0
     assert runs[0] == runs[1]
+
+
+# ---- the router's decode attention for the CUDA-graph step (Triton; the interpreter on CPU) ------------
+
+def router_meta(rows, max_blocks, scratch_slot, bs):
+    """rows: (token, position, full-precision table, compressed table) -> int32 [B, 5 + 2 * max_blocks]."""
+    meta = torch.zeros(len(rows), 5 + 2 * max_blocks, dtype=torch.int32)
+    for b, (tok, pos, full, comp) in enumerate(rows):
+        n_full = pos - len(comp) * bs  # cached full-precision keys before the new token
+        slot = full[n_full // bs] * bs + n_full % bs  # the new token goes after them, in the last full block
+        meta[b, :5] = torch.tensor([tok, pos, slot, n_full, len(comp)])
+        meta[b, 5:5 + len(full)] = torch.tensor(full)
+        meta[b, 5 + max_blocks:5 + max_blocks + len(comp)] = torch.tensor(comp, dtype=torch.int32)
+    return meta
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, device="cpu"):
+    from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
+
+    torch.manual_seed(8)
+    H, KVH, hd, bs, nblocks, mb = 6, 2, 64, 8, 12, 8
+    kv = (torch.randn(2, (nblocks + 1) * bs, KVH, hd) * 2).to(device)
+    rot = hadamard(hd, device=device) if mode == "int4" else None
+    comp_src = torch.randn(2, 10 * bs, KVH, hd, device=device) * 2
+    codes, scales = quantize(comp_src, mode, rot)
+    freqs = torch.arange(256)[:, None] / 10000 ** (torch.arange(0, hd, 2) / hd)  # rotate-half RoPE tables
+    cos, sin = torch.cat((freqs, freqs), -1).cos().to(device), torch.cat((freqs, freqs), -1).sin().to(device)
+    rows = [(1, 37, [0, 3, 5], [2, 7, 9]),  # 13 full keys, then 3 compressed blocks (24 keys)
+            (2, 5, [4], []),  # no compressed block
+            (3, 40, [6], [0, 1, 3, 4, 5]),  # nothing full before the new token
+            (4, 23, [8, 10, 11], [])]
+    meta = router_meta(rows, mb, nblocks * bs, bs).to(device)
+    qkv = torch.randn(4, (H + 2 * KVH) * hd, device=device)
+    k1, v1 = kv[0].clone(), kv[1].clone()
+    out = router_decode_attention(qkv, cos, sin, meta, k1, v1, codes, scales, rot, mode, H, bs, splits)
+    k2, v2 = kv[0].clone(), kv[1].clone()
+    want = router_decode_reference(qkv, cos, sin, meta, k2, v2, codes, scales, rot, mode, H, bs)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)  # the new keys and values were written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_router_decode_kernel_on_the_gpu(mode, splits):
+    test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, device="cuda")

@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels import pdl
+from o3edge.engine.kernels.decode_attention import _rope_rows, paged_scores, softmax_step
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -136,3 +139,192 @@ def quant_attention_reference(q, table, codes, scales, mode, block_size, counts=
         lse[b] = torch.logsumexp(s, -1)
         o[b] = torch.einsum("hs,shd->hd", torch.softmax(s, -1), v)
     return o, lse
+
+
+# ---- the router's whole decode attention, for the CUDA-graph decode step ------------------------------
+#
+# One program per (sequence, KV head, key split), as kernels/decode_attention.py: RoPE on the step's
+# q/k row, the new K/V written to its slot, then attention over the sequence's full-precision keys
+# (a compacted block table: every full-precision block but the last is complete, so key j sits at
+# table[j // block] * block + j % block) and over its compressed blocks (dequantized in registers;
+# INT4: the query rotated by the Hadamard matrix R in registers, the compressed part's output rotated
+# back), merged by log-sum-exp. Router step metadata `meta` [B, 5 + 2 * max_blocks] int32: token,
+# position, slot, full-precision keys before the new token, compressed blocks, the full-precision
+# block table (max_blocks), the compressed block table (max_blocks, compressed block indices).
+RMETA_KEYS, RMETA_COMP, RMETA_TABLE = 3, 4, 5
+
+
+@triton.jit
+def _router_decode_kernel(
+        qkv_ptr, stride_qkv, cos_ptr, sin_ptr, meta_ptr, stride_meta, MAX_BLOCKS,
+        k_cache_ptr, v_cache_ptr, stride_slot, k_codes, v_codes, k_scales, v_scales, c_slot, c_head, s_slot, s_head,
+        rot_ptr, qn_ptr, kn_ptr, eps, out_ptr, stride_out, part_o_ptr, part_lse_ptr, sm_scale,
+        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
+        HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
+        PDL: tl.constexpr):
+    pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dtype = k_cache_ptr.dtype.element_ty
+    meta = meta_ptr + b * stride_meta
+    pos = tl.load(meta + 1)
+    n_full = tl.load(meta + 3)
+    n_comp = tl.load(meta + 4)
+    d = tl.arange(0, HD_PAD)
+    d_mask = d < HD
+    g = tl.arange(0, G_PAD)
+    g_mask = g < G
+    cos = tl.load(cos_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
+    pdl.wait_for_previous(PDL)  # q, k, v are the QKV projection's output
+    row = qkv_ptr + b * stride_qkv
+    q = _rope_rows(row, kvh * G + g, g_mask, d, cos, sin, HD, qn_ptr, eps, QK_NORM, dtype)  # [G_PAD, HD_PAD]
+    one = tl.arange(0, 1)
+    k_new = _rope_rows(row + (H + kvh) * HD, one, one < 1, d, cos, sin, HD, kn_ptr, eps, QK_NORM, dtype)
+    new_mask = (one < 1)[:, None] & d_mask[None, :]
+    v_new = tl.load(row + (H + KVH + kvh) * HD + d[None, :] + one[:, None] * 0, mask=new_mask, other=0.0)
+    if split == 0:
+        slot = tl.load(meta + 2).to(tl.int64)
+        dst = slot * stride_slot + kvh * HD + one[:, None] * 0 + d[None, :]
+        tl.store(k_cache_ptr + dst, k_new, mask=new_mask)
+        tl.store(v_cache_ptr + dst, v_new, mask=new_mask)
+
+    # the full-precision keys: this split's chunk of the compacted table
+    chunk = tl.cdiv(tl.cdiv(n_full, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_full)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HD_PAD], tl.float32)
+    n0 = start
+    while n0 < end:  # a while loop: the interpreter cannot take a tensor as a range bound
+        _, n_mask, s, v = paged_scores(q, n0, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
+                                       KV_BLOCK, BLOCK_N, IEEE)
+        s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
+        m, l_sum, acc = softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
+        n0 += BLOCK_N
+    if split == 0:  # the new token attends to itself
+        s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale
+        m_new = tl.maximum(m, s_self)
+        alpha = tl.exp(m - m_new)
+        p_self = tl.exp(s_self - m_new)
+        l_sum = l_sum * alpha + p_self
+        acc = acc * alpha[:, None] + p_self[:, None] * v_new.to(tl.float32)
+        m = m_new
+
+    # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
+    qf = q.to(tl.float32)
+    if BITS == 4:
+        rmask = d_mask[:, None] & d_mask[None, :]
+        rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
+        qf = tl.dot(qf, rot, input_precision="ieee")
+    per = tl.cdiv(n_comp, NUM_SPLITS)
+    j = split * per
+    j_end = tl.minimum(j + per, n_comp)
+    m_c = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_c = tl.zeros([G_PAD], tl.float32)
+    acc_c = tl.zeros([G_PAD, HD_PAD], tl.float32)
+    while j < j_end:
+        blk = tl.load(meta + 5 + MAX_BLOCKS + j)
+        m_c, l_c, acc_c = _attend_qblock(qf, m_c, l_c, acc_c, blk, k_codes, v_codes, k_scales, v_scales, kvh, d,
+                                         c_slot, c_head, s_slot, s_head, sm_scale, HD, KV_BLOCK, CBLOCK_N, BITS)
+        j += 1
+    if BITS == 4:
+        acc_c = tl.dot(acc_c, rot, input_precision="ieee")  # R is its own inverse
+
+    # merge the two pools: one (output, log-sum-exp) per row
+    m_all = tl.maximum(m, m_c)
+    has = m_all > float("-inf")
+    m_safe = tl.where(has, m_all, 0.0)
+    w_f = tl.where(l_sum > 0, tl.exp(m - m_safe), 0.0)
+    w_c = tl.where(l_c > 0, tl.exp(m_c - m_safe), 0.0)
+    l_all = l_sum * w_f + l_c * w_c
+    acc_all = acc * w_f[:, None] + acc_c * w_c[:, None]
+    heads = kvh * G + g
+    if NUM_SPLITS == 1:
+        o = acc_all / l_all[:, None]
+        tl.store(out_ptr + b * stride_out + heads[:, None] * HD + d[None, :], o.to(dtype),
+                 mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        has = l_all > 0
+        o = tl.where(has[:, None], acc_all / tl.where(has, l_all, 1.0)[:, None], 0.0)
+        lse = tl.where(has, m_safe + tl.log(tl.where(has, l_all, 1.0)), float("-inf"))
+        part = (b * H + heads) * NUM_SPLITS + split
+        tl.store(part_o_ptr + part[:, None] * HD + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
+def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                            rotation: torch.Tensor | None, mode: str, num_heads: int, block_size: int,
+                            num_splits: int = 1, q_norm: torch.Tensor | None = None,
+                            k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """decode_attention (kernels/decode_attention.py) over both of the router's pools, one layer:
+    qkv [B, (H + 2*KVH) * hd]; meta int32 [B, 5 + 2 * max_blocks] (the layout above); k_cache, v_cache
+    [slots, KVH, hd] (written at each row's slot); codes [2, slots, KVH, cd] and scales [2, slots, KVH]
+    of the layer (KVRouter.codes[layer], .scales[layer]); rotation [hd, hd] float32 for int4.
+    Returns the attention output [B, H * hd]. Static shapes: it can be captured in a CUDA graph."""
+    from o3edge.engine.kernels.decode_attention import _merge_splits_kernel
+
+    B = qkv.shape[0]
+    _, KVH, HD = k_cache.shape
+    G = num_heads // KVH
+    max_blocks = (meta.shape[1] - 5) // 2
+    out = torch.empty(B, num_heads * HD, device=qkv.device, dtype=k_cache.dtype)
+    if num_splits > 1:
+        part_o = torch.empty(B, num_heads, num_splits, HD, device=qkv.device, dtype=torch.float32)
+        part_lse = torch.empty(B, num_heads, num_splits, device=qkv.device, dtype=torch.float32)
+    else:
+        part_o = part_lse = out
+    norm = q_norm is not None
+    rot = rotation if rotation is not None else cos
+    on = pdl.enabled(str(qkv.device))
+    _router_decode_kernel[(B, KVH, num_splits)](
+        qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), max_blocks, k_cache, v_cache, k_cache.stride(0),
+        codes[0], codes[1], scales[0], scales[1], codes.stride(1), codes.stride(2), scales.stride(1),
+        scales.stride(2), rot, q_norm if norm else cos, k_norm if norm else cos, eps, out, out.stride(0),
+        part_o, part_lse, HD ** -0.5,
+        H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
+        HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
+        BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, CBLOCK_N=max(16, triton.next_power_of_2(block_size)),
+        NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
+        PDL=on, num_warps=4, **pdl.launch_options(on))
+    if num_splits > 1:
+        _merge_splits_kernel[(B, num_heads)](part_o, part_lse, out, out.stride(0), H=num_heads, HD=HD,
+                                             HD_PAD=triton.next_power_of_2(HD), NUM_SPLITS=num_splits,
+                                             SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=on, num_warps=2,
+                                             **pdl.launch_options(on))
+    return out
+
+
+def router_decode_reference(qkv, cos, sin, meta, k_cache, v_cache, codes, scales, rotation, mode, num_heads,
+                            block_size):
+    """Plain torch, one sequence at a time: what router_decode_attention computes (and writes)."""
+    from o3edge.engine.kv_quant import dequantize
+    from o3edge.engine.rope import apply_rope
+
+    B = qkv.shape[0]
+    _, KVH, HD = k_cache.shape
+    mb = (meta.shape[1] - 5) // 2
+    qkv = qkv.view(B, num_heads + 2 * KVH, HD)
+    outs = []
+    for b in range(B):
+        token, pos, slot, n_full, n_comp = meta[b, :5].tolist()
+        q, k, v = qkv[b, :num_heads], qkv[b, num_heads:num_heads + KVH], qkv[b, num_heads + KVH:]
+        q = apply_rope(q[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
+        k = apply_rope(k[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
+        k_cache[slot], v_cache[slot] = k, v
+        keys = torch.arange(n_full, device=meta.device)
+        slots = meta[b, 5 + keys // block_size].long() * block_size + keys % block_size
+        slots = torch.cat((slots, torch.tensor([slot], device=meta.device)))
+        kk, vv = k_cache[slots].float(), v_cache[slots].float()  # [S, KVH, hd]
+        blocks = meta[b, 5 + mb:5 + mb + n_comp].long()
+        cs = (blocks[:, None] * block_size + torch.arange(block_size, device=meta.device)).reshape(-1)
+        kc = dequantize(codes[0, cs], scales[0, cs], mode, rotation)  # back in the model's basis
+        vc = dequantize(codes[1, cs], scales[1, cs], mode, rotation)
+        kk, vv = torch.cat((kk, kc)), torch.cat((vv, vc))
+        kk = kk.repeat_interleave(num_heads // KVH, dim=1)
+        vv = vv.repeat_interleave(num_heads // KVH, dim=1)
+        att = torch.softmax(torch.einsum("hd,shd->hs", q.float(), kk) * HD ** -0.5, dim=-1)
+        outs.append(torch.einsum("hs,shd->hd", att, vv).reshape(-1).to(k_cache.dtype))
+    return torch.stack(outs)

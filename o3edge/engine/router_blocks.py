@@ -1,0 +1,179 @@
+"""The token router's block books: a demoted block gives its full-precision space back (no tensors).
+
+Block ids 0 .. num_blocks - 1 are full-precision blocks, as in BlockManager. Ids from num_blocks up
+are compressed blocks: id num_blocks + c is compressed block c, whose codes live in the bytes of
+full-precision block c // per_host (its host; engine/router.py has the layout). A host lends its
+bytes to per_host compressed blocks; it goes back to the free list when all of them are free and the
+allocator needs it (`_take_free` with an empty free list), which drops what they cached.
+
+Demoting the block at seq.block_table[i] (only when seq is its one holder):
+  1. a named block is offered to the cold tier first (`on_cached_free`, the same hook a named block
+     losing its last holder calls): its full-precision bytes may come back from there later;
+  2. its K/V are quantized (the router's `compress`);
+  3. the codes go into a free compressed slot, least recently freed first (a cached compressed block
+     there is dropped), or, when no slot is free, into the block's own bytes: the block becomes a host
+     with per_host - 1 free slots (`on_reuse` first, so a pending cold-tier copy is made before);
+  4. the table entry, the hash and the prefix-cache entry move to the compressed id; the full-precision
+     block, when it did not become a host, joins the free list, first in line (it holds nothing).
+A prefix hit on a compressed block is served from the compressed copy, under the same hash. A
+compressed block that loses its last holder stays cached in its slot; it is never offered to the
+cold tier (its full-precision bytes went there at step 1, when the tier had room).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+from o3edge.engine.block_manager import Block, BlockManager
+from o3edge.engine.sequence import Sequence
+
+
+class Demoter(Protocol):
+    def compress(self, block_id: int): ...
+    def store(self, comp: int, codes, scales) -> None: ...
+    def take_plan(self, seq_id: int) -> list[tuple[int, int]]: ...
+
+
+class RouterBlocks(BlockManager):
+    """BlockManager with a compressed pool hosted inside the full-precision one."""
+
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: str, prefix_caching: bool, per_host: int):
+        super().__init__(num_blocks, block_size, fingerprint, prefix_caching)
+        self.num_full, self.per_host = num_blocks, per_host
+        self.blocks += [Block(num_blocks + c) for c in range(num_blocks * per_host)]
+        self.comp_free: OrderedDict[int, None] = OrderedDict()  # free compressed ids, least recently freed first
+        self.host_free: dict[int, int] = {}  # host block -> how many of its compressed blocks are free
+        self.num_reclaimable = 0  # hosts whose compressed blocks are all free
+        self.num_demoted = 0  # ever
+        self.demoter: Demoter | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_full
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free) + self.num_reclaimable
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self.host_free)
+
+    def is_compressed(self, block_id: int) -> bool:
+        return block_id >= self.num_full
+
+    def _host(self, block_id: int) -> int:
+        return (block_id - self.num_full) // self.per_host
+
+    def held_blocks(self) -> tuple[int, int]:
+        """(full-precision, compressed) blocks holding K/V: in use or cached."""
+        full = sum(1 for b in self.blocks[:self.num_full] if (b.ref_count or b.hash is not None)
+                   and b.block_id not in self.host_free)
+        comp = sum(1 for b in self.blocks[self.num_full:] if b.ref_count or b.hash is not None)
+        return full, comp
+
+    # ---- the compressed free list --------------------------------------------------------------
+    def _comp_unfree(self, block_id: int) -> None:
+        del self.comp_free[block_id]
+        host = self._host(block_id)
+        if self.host_free[host] == self.per_host:
+            self.num_reclaimable -= 1
+        self.host_free[host] -= 1
+
+    def _comp_free(self, block_id: int, first: bool = False) -> None:
+        self.comp_free[block_id] = None
+        if first:
+            self.comp_free.move_to_end(block_id, last=False)
+        host = self._host(block_id)
+        self.host_free[host] += 1
+        if self.host_free[host] == self.per_host:
+            self.num_reclaimable += 1
+
+    def _forget_name(self, block: Block) -> None:
+        if block.hash is not None and self.cached.get(block.hash) == block.block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids = None, ()
+
+    # ---- BlockManager's hooks --------------------------------------------------------------------
+    def _take(self, block_id: int) -> None:
+        if not self.is_compressed(block_id):
+            return super()._take(block_id)
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self._comp_unfree(block_id)
+        block.ref_count += 1
+
+    def _release(self, block: Block) -> None:
+        if self.is_compressed(block.block_id):
+            self._comp_free(block.block_id)  # stays cached; its full-precision copy left at demotion
+        else:
+            super()._release(block)
+
+    def _take_free(self) -> int:
+        if not self.free:
+            self._reclaim_host()
+        return super()._take_free()
+
+    def _reclaim_host(self) -> None:
+        """Give a host whose compressed blocks are all free back to the free list (dropping their names)."""
+        host = next(h for h, n in self.host_free.items() if n == self.per_host)
+        first = self.num_full + host * self.per_host
+        for block_id in range(first, first + self.per_host):
+            del self.comp_free[block_id]
+            self._forget_name(self.blocks[block_id])
+        del self.host_free[host]
+        self.num_reclaimable -= 1
+        self.free[host] = None
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._match(seq)
+        revived = sum(1 for b in hits if not self.is_compressed(b) and self.blocks[b].ref_count == 0)
+        # a compressed hit taken off the free list keeps its host from being reclaimed
+        hosts = {self._host(b) for b in hits if self.is_compressed(b) and self.blocks[b].ref_count == 0}
+        revived += sum(1 for h in hosts if self.host_free[h] == self.per_host)
+        return self.blocks_for(len(seq)) - len(hits) + revived <= self.num_free_blocks
+
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Name the blocks this step filled, then carry out the router's demotions for seq."""
+        super().mark_computed(seq, num_tokens)
+        if self.demoter is None:
+            return
+        for i, block_id in self.demoter.take_plan(seq.seq_id):
+            if i < len(seq.block_table) and seq.block_table[i] == block_id:
+                self.demote(seq, i)
+
+    # ---- demotion --------------------------------------------------------------------------------
+    def demote(self, seq: Sequence, i: int) -> bool:
+        """Move seq.block_table[i] to the compressed pool and free its full-precision block; False when
+        it is compressed already or shared."""
+        old = self.blocks[seq.block_table[i]]
+        if self.is_compressed(old.block_id) or old.ref_count != 1:
+            return False
+        if old.hash is not None and self.on_cached_free is not None:
+            self.on_cached_free(old)  # the full-precision copy goes to the cold tier
+        codes, scales = self.demoter.compress(old.block_id)
+        in_place = not self.comp_free
+        if in_place:  # the block's own bytes host it and per_host - 1 free compressed slots
+            if self.on_reuse is not None:
+                self.on_reuse(old.block_id)
+            first = self.num_full + old.block_id * self.per_host
+            self.host_free[old.block_id] = 0
+            for block_id in range(first + self.per_host - 1, first, -1):
+                self._comp_free(block_id, first=True)  # empty: handed out before cached ones
+            new = self.blocks[first]
+        else:
+            new = self.blocks[next(iter(self.comp_free))]
+            self._comp_unfree(new.block_id)
+            self._forget_name(new)
+        self.demoter.store(new.block_id - self.num_full, codes, scales)
+        new.ref_count, new.hash, new.token_ids, new.parent = 1, old.hash, old.token_ids, old.parent
+        if old.hash is not None and self.cached.get(old.hash) == old.block_id:
+            self.cached[old.hash] = new.block_id
+        old.hash, old.token_ids, old.ref_count = None, (), 0
+        seq.block_table[i] = new.block_id
+        if not in_place:
+            self.free[old.block_id] = None
+            self.free.move_to_end(old.block_id, last=False)  # holds nothing: handed out first
+        self.num_demoted += 1
+        return True
