@@ -329,7 +329,9 @@ def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, devic
     k2, v2 = kv[0].clone(), kv[1].clone()
     want = router_decode_reference(qkv, cos, sin, meta, k2, v2, codes, scales, rot, mode, H, bs)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
-    assert torch.equal(k1, k2) and torch.equal(v1, v2)  # the new keys and values were written
+    # the new keys and values were written (keys through RoPE: the GPU contracts its multiply-adds)
+    torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
+    assert torch.equal(v1, v2)
 
 
 @pytest.mark.gpu
