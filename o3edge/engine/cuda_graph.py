@@ -5,8 +5,8 @@ token per sequence) runs the whole model, greedy choice included, as one capture
 buffers. The step's only input is the int32 metadata matrix of `kernels/decode_attention.py` (token,
 position, cache slot and block table per row), copied to the device in one transfer; attention reads
 the KV cache in place through the block table, so nothing in a graph depends on the context length.
-The step itself is decode_step.py's (at batch 1, five kernels a layer of its own, plus the attention
-splits' merge and the down projection's split-K sum: 7.2 on `llama-1b`). Attention
+The step itself is decode_step.py's (at batch 1, five kernels a layer of its own plus the attention
+splits' merge: 6.2 on `llama-1b`, launched with programmatic dependent launch, kernels/pdl.py). Attention
 is split along the key axis into enough programs to fill the GPU when the batch alone does not (the
 split sizes follow the context at run time, so the graph does not change). Padding rows (a batch
 smaller than its bucket) write into a scratch slot that no sequence owns.
