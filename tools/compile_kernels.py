@@ -89,6 +89,14 @@ def _run_wrappers() -> None:
     for splits in (1, 4):
         decode_attention(qkv, cos, cos, meta, cache, cache, H, bs, splits)
     decode_attention(qkv, cos, cos, meta, cache, cache, H, bs, 1, torch.zeros(HD, dtype=h), torch.zeros(HD, dtype=h))
+    from o3edge.engine.kernels.quant_attention import router_decode_attention
+    from o3edge.engine.kv_quant import hadamard, quantize
+
+    router_meta = torch.zeros(2, 5 + 2 * 4, dtype=torch.int32)
+    for mode, rot in (("int8", None), ("int4", hadamard(HD))):
+        codes, scales = quantize(torch.zeros(2, 4 * bs, KVH, HD), mode, rot)
+        for splits in (1, 3):
+            router_decode_attention(qkv, cos, cos, router_meta, cache, cache, codes, scales, rot, mode, H, bs, splits)
     float_logits_and_argmax(torch.zeros(2, 32000, dtype=h))
     add_rmsnorm(torch.zeros(4, K, dtype=h), torch.zeros(4, K, dtype=h), nw, 1e-6)
     silu_mul(torch.zeros(4, 2 * K, dtype=h))
@@ -98,6 +106,7 @@ KERNELS = {
     "o3edge.engine.kernels.gemv": ["_skinny_kernel"],
     "o3edge.engine.kernels.decode_attention": ["_decode_attention_kernel", "_merge_splits_kernel"],
     "o3edge.engine.kernels.argmax": ["_chunk_argmax_kernel", "_pick_chunk_kernel"],
+    "o3edge.engine.kernels.quant_attention": ["_router_decode_kernel"],
     "o3edge.engine.kernels.norm": ["_add_rmsnorm_kernel"],
     "o3edge.engine.kernels.activation": ["_silu_mul_kernel"],
     "o3edge.engine.kernels.int4_matmul": ["_dequantize_kernel"],
