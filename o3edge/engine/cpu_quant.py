@@ -56,8 +56,8 @@ def cpu_features() -> frozenset[str]:
             line = next((ln for ln in fh if ln.startswith("flags")), "")
     except OSError:
         return frozenset()
-    return frozenset(line.split(":", 1)[-1].split()) & {"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
-                                                   "amx_int8", "amx_bf16"}
+    return frozenset(line.split(":", 1)[-1].split()) & {"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
+                                                   "avx512_bf16", "amx_int8", "amx_bf16"}
 
 
 def has_fbgemm() -> bool:

@@ -168,3 +168,16 @@ def test_int8_decode_forward_matches_the_model_forward(presets, variant):
             steps.append(runner.last_logits.clone())
         logits[fast] = torch.cat(steps)
     torch.testing.assert_close(logits[True], logits[False], atol=2e-3 * logits[False].abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("env,expected", [({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
+                                          ({"GOMP_SPINCOUNT": "10000"}, None)])
+def test_openmp_threads_wait_passively_unless_told(env, expected):
+    """Importing o3edge (before torch) makes OpenMP threads sleep between parallel regions, unless the user chose."""
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", "import o3edge, os; print(os.environ.get('OMP_WAIT_POLICY'))"],
+                         env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(expected)
