@@ -3,15 +3,8 @@
 The API names load lazily, so the client, the CLI and the power package start without torch.
 """
 
-import os
 import warnings
 
-# OpenMP threads that sleep between parallel regions instead of spinning (torch's libgomp reads this when
-# torch is imported, so it only applies where o3edge is imported first): on a CPU shared with other work a
-# spinning thread holds the core that the thread it waits for needs, and a 2-thread decode step fell from
-# ~55 to ~1 tok/s under load (docs/benchmarks.md). Set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose otherwise.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 # torch warns "Failed to initialize NumPy" on import wherever numpy is missing (a fresh install):
 # o3edge never uses numpy, so the warning is noise on every start.

@@ -76,7 +76,7 @@ def main() -> None:
     prompt = json.load(open(a.prompt))
     load0 = os.getloadavg()
     t = time.perf_counter()
-    from o3edge import O3Config, O3Model  # before torch: o3edge sets OpenMP's wait policy (o3edge/__init__.py)
+    from o3edge import O3Config, O3Model
 
     import torch
 

@@ -2,13 +2,14 @@
 quantized engine as one torch.compile (Inductor, C++) graph instead of ~900 eager ops.
 
 What the graph holds: embedding, fused RMSNorms, RoPE, SiLU and the residual adds, fused into a few C++
-loops per layer, and the INT4 linears (`_weight_int4pack_mm_for_cpu`). INT8 layers keep fbgemm (at batch
-1 it beats `_weight_int8pack_mm` 1.5-10x per layer shape on this CPU); its packed weight is an object the
-compiler cannot trace, so the graph calls each layer by number through one custom op. The KV write and
-attention are one custom op per layer (`o3edge::span_decode_attention`) that runs the eager span
-attention of cpu_decode.py on views of the live prefix. Span ends travel as tensors (slot and position of each new
-token), so the graph never specializes on a context length: one graph for batch 1 and one (dynamic in
-the batch) for 2..8, compiled at warm-up.
+loops per layer, and, where o3edge's CPU kernels are available (cpu_ext.py), every linear layer
+(`o3edge_cpu::int8_linear` / `int4_linear`) and each layer's KV write plus attention over the live prefix
+(`o3edge_cpu::span_attention`): ordinary operators the compiler traces, so with `cpp_wrapper` a step runs
+no Python between its kernels. Without them, fbgemm INT8 layers (a packed weight the compiler cannot trace)
+are called by number through one custom op, INT4 layers are `_weight_int4pack_mm_for_cpu`, and attention
+is a custom op (`o3edge::span_decode_attention`) running the eager span attention of cpu_decode.py. Span
+ends travel as tensors (slot and position of each new token), so the graph never specializes on a context
+length: one graph for batch 1 and one (dynamic in the batch) for 2..8, compiled at warm-up.
 
 Inductor's artifacts go to a cache directory (TORCHINDUCTOR_CACHE_DIR when set, else
 <user cache>/o3edge/inductor), so a restarted daemon reloads compiled code instead of running gcc.

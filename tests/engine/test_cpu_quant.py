@@ -171,15 +171,3 @@ def test_int8_decode_forward_matches_the_model_forward(presets, variant):
     # a few roundings (one int8 step, ~0.4% of a column's largest activation), so 1% of the largest logit
     torch.testing.assert_close(logits[True], logits[False], atol=1e-2 * logits[False].abs().max().item(), rtol=0)
 
-
-@pytest.mark.parametrize("env,expected", [({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
-                                          ({"GOMP_SPINCOUNT": "10000"}, None)])
-def test_openmp_threads_wait_passively_unless_told(env, expected):
-    """Importing o3edge (before torch) makes OpenMP threads sleep between parallel regions, unless the user chose."""
-    import subprocess
-    import sys
-
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", "import o3edge, os; print(os.environ.get('OMP_WAIT_POLICY'))"],
-                         env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
-    assert out == str(expected)
