@@ -5,6 +5,7 @@ The API names load lazily, so the client, the CLI and the power package start wi
 
 import warnings
 
+
 # torch warns "Failed to initialize NumPy" on import wherever numpy is missing (a fresh install):
 # o3edge never uses numpy, so the warning is noise on every start.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)

@@ -5,8 +5,9 @@
 
 For every linear layer shape of the model (fused qkv, o, gate_up, down, LM head) and row count,
 the minimum time of: float32 (MKL), bfloat16, `_weight_int8pack_mm` (bf16 activations),
-`_weight_int4pack_mm_for_cpu` g64/g128 (bf16 activations), and fbgemm dynamic int8
-(`quantized::linear_dynamic`, activations quantized per tensor on the fly, float32 in and out).
+`_weight_int4pack_mm_for_cpu` g64/g128 (bf16 activations), fbgemm dynamic int8
+(`quantized::linear_dynamic`, activations quantized per tensor on the fly, float32 in and out), and,
+where the CPU has AVX-512 VNNI, o3edge's own INT8 and INT4 g32/g64 kernels (o3edge/engine/cpu_ext.py).
 Random weights; denormals flushed. Output: a Markdown table (microseconds), optionally JSON.
 """
 
@@ -41,6 +42,7 @@ def timeit(fn, reps: int) -> float:
 
 def kernels(n: int, k: int):
     """name -> a function of x (float32 [M, K]) for a random [n, k] weight."""
+    from o3edge.engine import cpu_ext, cpu_quant
     from o3edge.engine.cpu_quant import Int8Linear, quantize_int8
     from o3edge.engine.quant import Int4Linear, quantize_int4
 
@@ -53,10 +55,23 @@ def kernels(n: int, k: int):
         m = Int8Linear(k, n, kernel)
         m.load_quantized(q, s)
         out[label] = m
-    for g in (64, 128):
-        m = Int4Linear(k, n, g)
-        m.load_quantized(*quantize_int4(w, g))
-        out[f"int4pack g{g}"] = m
+    fits = cpu_quant.vnni_fits
+    cpu_quant.vnni_fits = lambda *shape: False  # torch's int4pack, not o3edge's kernel
+    try:
+        for g in (64, 128):
+            m = Int4Linear(k, n, g)
+            m.load_quantized(*quantize_int4(w, g))
+            out[f"int4pack g{g}"] = m
+    finally:
+        cpu_quant.vnni_fits = fits
+    if cpu_ext.available():  # o3edge's own kernels (cpu_ext.py)
+        m = Int8Linear(k, n, "vnni")
+        m.load_quantized(q, s)
+        out["o3edge int8"] = m
+        for g in (32, 64):
+            m = Int4Linear(k, n, g)
+            m.load_quantized(*quantize_int4(w, g))
+            out[f"o3edge int4 g{g}"] = m
     return out
 
 

@@ -76,9 +76,9 @@ def main() -> None:
     prompt = json.load(open(a.prompt))
     load0 = os.getloadavg()
     t = time.perf_counter()
-    import torch
-
     from o3edge import O3Config, O3Model
+
+    import torch
 
     engine = O3Model.from_config(O3Config(model_path=a.model, device="cpu", dtype=a.dtype, num_threads=a.threads,
                                           kv_cache_memory_mb=64, max_model_len=1024,
@@ -98,6 +98,7 @@ def main() -> None:
                dtype=engine.info.dtype, timing="wall clock (perf_counter) around add_request + LLMEngine.step",
                load_s=load_s, cpu_compile=a.compile, rss_after_load_mb=rss_after_load, peak_rss_mb=peak,
                loadavg_start=load0, loadavg_end=os.getloadavg(), torch=torch.__version__,
+               omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),
                capability=torch.backends.cpu.get_cpu_capability(), summary=summary, runs=runs)
     if a.profile:
         res["profile"] = profile_steps(engine, prompt[::-1], a.profile)  # a prompt no run used: no cache hit

@@ -2,13 +2,14 @@
 quantized engine as one torch.compile (Inductor, C++) graph instead of ~900 eager ops.
 
 What the graph holds: embedding, fused RMSNorms, RoPE, SiLU and the residual adds, fused into a few C++
-loops per layer, and the INT4 linears (`_weight_int4pack_mm_for_cpu`). INT8 layers keep fbgemm (at batch
-1 it beats `_weight_int8pack_mm` 1.5-10x per layer shape on this CPU); its packed weight is an object the
-compiler cannot trace, so the graph calls each layer by number through one custom op. The KV write and
-attention are one custom op per layer (`o3edge::span_decode_attention`) that runs the eager span
-attention of cpu_decode.py on views of the live prefix. Span ends travel as tensors (slot and position of each new
-token), so the graph never specializes on a context length: one graph for batch 1 and one (dynamic in
-the batch) for 2..8, compiled at warm-up.
+loops per layer, and, where o3edge's CPU kernels are available (cpu_ext.py), every linear layer
+(`o3edge_cpu::int8_linear` / `int4_linear`) and each layer's KV write plus attention over the live prefix
+(`o3edge_cpu::span_attention`): ordinary operators the compiler traces, so with `cpp_wrapper` a step runs
+no Python between its kernels. Without them, fbgemm INT8 layers (a packed weight the compiler cannot trace)
+are called by number through one custom op, INT4 layers are `_weight_int4pack_mm_for_cpu`, and attention
+is a custom op (`o3edge::span_decode_attention`) running the eager span attention of cpu_decode.py. Span
+ends travel as tensors (slot and position of each new token), so the graph never specializes on a context
+length: one graph for batch 1 and one (dynamic in the batch) for 2..8, compiled at warm-up.
 
 Inductor's artifacts go to a cache directory (TORCHINDUCTOR_CACHE_DIR when set, else
 <user cache>/o3edge/inductor), so a restarted daemon reloads compiled code instead of running gcc.
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from o3edge.engine.cpu_decode import span_attention
+from o3edge.engine.cpu_decode import native_attention, span_attention
 from o3edge.engine.cpu_quant import Int8Linear
 from o3edge.engine.quant import Int4Linear
 
@@ -86,8 +87,10 @@ def _rms(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 def decode_step(model, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                cos_table: torch.Tensor, sin_table: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-    """One new token per sequence: input_ids, positions, slots [B] -> logits [B, V] float32."""
+                cos_table: torch.Tensor, sin_table: torch.Tensor, kv_cache: torch.Tensor,
+                native: bool = False) -> torch.Tensor:
+    """One new token per sequence: input_ids, positions, slots [B] -> logits [B, V] float32; native: attention
+    through o3edge's C++ operator (cpu_ext.py) instead of the Python one."""
     args = model.args
     H, KVH, hd = args.num_heads, args.num_kv_heads, args.head_dim
     B = input_ids.shape[0]
@@ -101,8 +104,8 @@ def decode_step(model, input_ids: torch.Tensor, positions: torch.Tensor, slots: 
             qk = torch.cat((_rms(qk[:, :H], attn.q_norm), _rms(qk[:, H:], attn.k_norm)), dim=1)
         x1, x2 = qk[..., :hd // 2], qk[..., hd // 2:]
         qk = qk * cos + torch.cat((-x2, x1), dim=-1) * sin
-        out = torch.ops.o3edge.span_decode_attention(qk[:, :H].contiguous(), qk[:, H:].contiguous(),
-                                                     v.contiguous(), kv_cache, i, slots, positions)
+        attend = torch.ops.o3edge_cpu.span_attention if native else torch.ops.o3edge.span_decode_attention
+        out = attend(qk[:, :H].contiguous(), qk[:, H:].contiguous(), v.contiguous(), kv_cache, i, slots, positions)
         x = x + _linear(attn.o, out.reshape(B, H * hd))
         gate, up = _linear(mlp.gate_up, _rms(x, layer.post_norm)).chunk(2, dim=-1)
         x = x + _linear(mlp.down, F.silu(gate) * up)
@@ -147,21 +150,26 @@ class CompiledDecode:
         self.cache_dir = inductor_cache_dir()
         Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
         register_fbgemm(model)  # fbgemm beats int8pack at every decode shape here (tools/bench_cpu_kernels.py)
-        self._step = torch.compile(decode_step, fullgraph=True)
+        # cpp_wrapper: the graph's launcher is C++ too, so a step runs no Python between its kernels
+        self._step = torch.compile(decode_step, fullgraph=True, options={"cpp_wrapper": True})
+        self.native = False  # attention through cpu_ext's C++ operator, settled by warm_up
         self.warmup_seconds: dict[int, float] = {}
 
     def __call__(self, input_ids, positions, cos_table, sin_table, step, kv_cache) -> torch.Tensor:
-        return self._step(self.model, input_ids, positions, step.slot_mapping, cos_table, sin_table, kv_cache)
+        return self._step(self.model, input_ids, positions, step.slot_mapping, cos_table, sin_table, kv_cache,
+                          self.native)
 
     @torch.inference_mode()
     def warm_up(self, cos_table, sin_table, kv_cache, scratch_slot: int) -> None:
         """Compile (or load from the cache) the batch-1 graph and the dynamic 2..max_batch one, on the
         KV pool's scratch slot (position 0: each row attends to its own new key only)."""
+        self.native = native_attention(kv_cache)
         for B in sorted({1, min(2, self.max_batch), min(3, self.max_batch)}):
             t = time.perf_counter()
             ids = torch.zeros(B, dtype=torch.long)
             slots = torch.full((B,), scratch_slot, dtype=torch.long)
-            self._step(self.model, ids, torch.zeros(B, dtype=torch.long), slots, cos_table, sin_table, kv_cache)
+            self._step(self.model, ids, torch.zeros(B, dtype=torch.long), slots, cos_table, sin_table, kv_cache,
+                       self.native)
             self.warmup_seconds[B] = time.perf_counter() - t
         log.info("compiled CPU decode step ready in %.1f s (batch sizes %s; cache %s)",
                  sum(self.warmup_seconds.values()), sorted(self.warmup_seconds), self.cache_dir)

@@ -104,6 +104,13 @@ def rope_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.diag_embed(cos) + perm * sin[:, None, :]
 
 
+def native_attention(kv_cache: torch.Tensor) -> bool:
+    """Whether the decode step's attention can run o3edge's C++ span attention (float32 contiguous pool)."""
+    from o3edge.engine import cpu_ext
+
+    return kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and cpu_ext.available()
+
+
 @torch.inference_mode()
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                    sin_table: torch.Tensor, step, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -115,6 +122,7 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, cos_
     H, KVH, hd = args.num_heads, args.num_kv_heads, args.head_dim
     B = input_ids.shape[0]
     rope = rope_matrices(cos_table[positions], sin_table[positions])  # [B, hd, hd]
+    native = native_attention(kv_cache)
     x = model.embed(input_ids)  # [B, D]
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.attn, layer.mlp
@@ -123,10 +131,14 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, cos_
         if attn.q_norm is not None:
             qk = torch.cat((attn.q_norm(qk[:, :H]), attn.k_norm(qk[:, H:])), dim=1)
         qk = torch.bmm(qk, rope)  # [B, H + KVH, hd]
-        k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-        k_cache.index_copy_(0, step.slot_mapping, qk[:, H:])
-        v_cache.index_copy_(0, step.slot_mapping, v)
-        out = span_attention(qk[:, :H], k_cache, v_cache, step.kv_spans)  # [B, H, hd]
+        if native:  # KV write and attention in one C++ call (cpu_ext.py)
+            out = torch.ops.o3edge_cpu.span_attention(qk[:, :H].contiguous(), qk[:, H:].contiguous(), v.contiguous(),
+                                                      kv_cache, i, step.slot_mapping, positions)
+        else:
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            k_cache.index_copy_(0, step.slot_mapping, qk[:, H:])
+            v_cache.index_copy_(0, step.slot_mapping, v)
+            out = span_attention(qk[:, :H], k_cache, v_cache, step.kv_spans)  # [B, H, hd]
         x = x + attn.o(out.reshape(B, H * hd))
         gate, up = mlp.gate_up(layer.post_norm(x)).chunk(2, dim=-1)
         x = x + mlp.down(torch.nn.functional.silu(gate) * up)

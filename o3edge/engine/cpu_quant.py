@@ -4,10 +4,14 @@ On disk a weight is `<name>.qweight8` int8 [N, K] and `<name>.scales8` float32 [
 output row, w ~ q * scale with scale = max|w_row| / 127. That form is device- and CPU-neutral; the
 kernel, and the layout it wants, is picked when the engine loads (`pick_int8_kernel`):
 
+- "vnni": o3edge's own AVX-512 VNNI kernel (cpu_ext.py, cpu_kernels.cpp): activations quantized to int8
+  per group of 32 columns, weights 16 rows per 64-byte load; no Python between the operator and the loop,
+  traceable by torch.compile. Fastest here at decode row counts and closer to float32 than fbgemm (finer
+  activation scales); taken where the CPU has AVX-512 VNNI and the kernels build.
 - "fbgemm": torch's `quantized::linear_dynamic` (fbgemm, x86): activations are quantized per tensor
   to uint8 on the fly, int8 GEMM, float32 out. Fastest here at every row count (tools/bench_cpu_kernels.py).
   On CPUs without VNNI it runs with `reduce_range` (7-bit activations): its AVX2 path adds pairs of
-  u8*s8 products in saturating int16.
+  u8*s8 products in saturating int16. The fallback of "vnni".
 - "int8pack": `_weight_int8pack_mm` with bf16 activations (weight-only, no activation rounding
   beyond bf16); for builds of torch without fbgemm.
 - "dense": the dequantized float32 weight and MKL; correct everywhere, as large as float32.
@@ -29,7 +33,7 @@ log = logging.getLogger(__name__)
 
 SCHEME = "int8-sym-per-row"
 SUFFIXES = (".qweight8", ".scales8")
-KERNELS = ("fbgemm", "int8pack", "dense")
+KERNELS = ("vnni", "fbgemm", "int8pack", "dense")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,16 +56,27 @@ def cpu_features() -> frozenset[str]:
             line = next((ln for ln in fh if ln.startswith("flags")), "")
     except OSError:
         return frozenset()
-    return frozenset(line.split(":", 1)[-1].split()) & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
-                                                   "amx_int8", "amx_bf16"}
+    return frozenset(line.split(":", 1)[-1].split()) & {"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
+                                                   "avx512_bf16", "amx_int8", "amx_bf16"}
 
 
 def has_fbgemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def pick_int8_kernel(requested: str = "auto") -> str:
-    """The INT8 kernel for this CPU and build of torch: fbgemm, else int8pack, else dense."""
+def vnni_fits(out_features: int, in_features: int) -> bool:
+    """Whether o3edge's VNNI kernels can run a layer of this shape on this machine."""
+    from o3edge.engine import cpu_ext
+
+    return out_features % 16 == 0 and cpu_ext.activation_group(in_features) >= 4 and cpu_ext.available()
+
+
+def pick_int8_kernel(requested: str = "auto", shape: tuple[int, int] | None = None) -> str:
+    """The INT8 kernel for this CPU, build of torch and layer shape (N, K): vnni, else fbgemm, else int8pack."""
+    if requested in ("auto", "vnni") and shape is not None and vnni_fits(*shape):
+        return "vnni"
+    if requested == "vnni":
+        requested = "auto"
     if requested != "auto":
         if requested not in KERNELS:
             raise ValueError(f"int8 kernel must be auto or one of {KERNELS}, got {requested!r}")
@@ -78,11 +93,13 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, kernel: str = "auto"):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.kernel = pick_int8_kernel(kernel)
+        self.kernel = pick_int8_kernel(kernel, (out_features, in_features))
         self.reduce_range = not {"avx512_vnni", "avx_vnni"} & cpu_features()
         self.packed = None  # fbgemm's packed weight (a torchbind object, not a tensor)
         self.register_buffer("weight", torch.empty(0, dtype=torch.int8), persistent=False)
         self.register_buffer("scales", torch.empty(0), persistent=False)
+        self.register_buffer("wsum", torch.empty(0, dtype=torch.int32), persistent=False)  # vnni: per group
+        self.group = 0  # vnni: input columns per activation scale
 
     def load_quantized(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         """Lay the on-disk form out for the chosen kernel."""
@@ -91,7 +108,15 @@ class Int8Linear(nn.Module):
                              f"got {q.dtype} {tuple(q.shape)}")
         if tuple(scales.shape) != (self.out_features,):
             raise ValueError(f"scales8 must have shape {(self.out_features,)}, got {tuple(scales.shape)}")
-        if self.kernel == "fbgemm":
+        if self.kernel == "vnni":
+            from o3edge.engine.cpu_ext import activation_group
+
+            N, K = q.shape
+            self.group = activation_group(K)
+            self.weight = torch.ops.o3edge_cpu.int8_pack_rows16(q)
+            self.wsum = group_sums(q, self.group)
+            self.scales = scales.float().contiguous()
+        elif self.kernel == "fbgemm":
             with _engine("fbgemm"):
                 qt = torch._make_per_channel_quantized_tensor(
                     q, scales.double(), torch.zeros(self.out_features, dtype=torch.long), 0)
@@ -105,7 +130,9 @@ class Int8Linear(nn.Module):
         # x: [..., K] -> [..., N]
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.kernel == "fbgemm":
+        if self.kernel == "vnni":
+            y = torch.ops.o3edge_cpu.int8_linear(x2, self.weight, self.wsum, self.scales, self.group)
+        elif self.kernel == "fbgemm":
             y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, self.reduce_range)
         elif self.kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight, self.scales)
@@ -115,6 +142,17 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+
+
+def group_sums(q: torch.Tensor, group: int, chunk: int = 4096) -> torch.Tensor:
+    """q int8 [N, K] -> int32 [K / group, N]: the sum of each row's weights per group of columns (a few rows
+    at a time: the int32 copy of a whole LM head would be 4x its size in peak memory)."""
+    N, K = q.shape
+    out = torch.empty(K // group, N, dtype=torch.int32)
+    for i in range(0, N, chunk):
+        rows = q[i:i + chunk]
+        out[:, i:i + chunk] = rows.view(-1, K // group, group).sum(-1, dtype=torch.int32).t()
+    return out
 
 
 class _engine:

@@ -109,6 +109,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", torch.empty(0, dtype=torch.uint8), persistent=False)
         self.register_buffer("scales_and_zeros", torch.empty(0, dtype=torch.bfloat16), persistent=False)
         self.neutral = False  # weight in the device-neutral form, run by o3edge's Triton kernels (CUDA)
+        self.vnni = False  # CPU: o3edge's VNNI kernel (cpu_ext.py) on rows16 weights, [2, G, N] scales/zeros
 
     def load_quantized(self, qweight: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
         """Pack the on-disk form for the device qweight lives on (cpu or cuda)."""
@@ -119,6 +120,13 @@ class Int4Linear(nn.Module):
         if tuple(scales_and_zeros.shape) != (Kp // self.group_size, self.out_features, 2):
             raise ValueError(f"scales_and_zeros must be {(Kp // self.group_size, self.out_features, 2)}, "
                              f"got {tuple(scales_and_zeros.shape)}")
+        from o3edge.engine.cpu_quant import vnni_fits
+
+        self.vnni = qweight.device.type == "cpu" and vnni_fits(self.out_features, 8)
+        if self.vnni:
+            self.weight = torch.ops.o3edge_cpu.int4_pack_rows16(qweight)
+            self.scales_and_zeros = scales_and_zeros.to(torch.bfloat16).permute(2, 0, 1).contiguous()
+            return
         self.weight, self.scales_and_zeros, self.k_padded = _pack_for_device(
             qweight, scales_and_zeros.to(qweight.device), self.group_size)
         self.neutral = qweight.device.type == "cuda" and not TINYGEMM
@@ -129,6 +137,10 @@ class Int4Linear(nn.Module):
             from o3edge.engine.kernels.int4_matmul import int4_matmul
 
             return int4_matmul(x, self.weight, self.scales_and_zeros, self.group_size, self.out_features)
+        if self.vnni:
+            y = torch.ops.o3edge_cpu.int4_linear(x, self.weight, self.scales_and_zeros[0], self.scales_and_zeros[1],
+                                                  self.group_size, self.out_features)
+            return y.to(x.dtype)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.k_padded != self.in_features:

@@ -167,4 +167,7 @@ def test_int8_decode_forward_matches_the_model_forward(presets, variant):
             engine.step()
             steps.append(runner.last_logits.clone())
         logits[fast] = torch.cat(steps)
-    torch.testing.assert_close(logits[True], logits[False], atol=2e-3 * logits[False].abs().max().item(), rtol=0)
+    # the VNNI kernels round activations to int8 per 32 columns: the matmul RoPE's last-bit differences flip
+    # a few roundings (one int8 step, ~0.4% of a column's largest activation), so 1% of the largest logit
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-2 * logits[False].abs().max().item(), rtol=0)
+

@@ -1,0 +1,90 @@
+"""o3edge's own CPU kernels (cpu_kernels.cpp), built for this machine on first use and cached.
+
+Three kernels for the CPU presets, written for AVX-512 VNNI (`vpdpbusd`: 64 int8 products a
+instruction): `int8_linear` and `int4_linear` (weight-only INT8 per row / INT4 per group, activations
+quantized per group of columns to int8 on entry; weights laid out 16 rows at a time, so one 64-byte
+load feeds 16 output rows) and `span_attention` (a decode step's KV write and attention over each
+sequence's live prefix, no Python per call). They are torch operators (`torch.ops.o3edge_cpu.*`) with
+shape functions, so torch.compile traces them into the compiled decode step.
+
+The library is compiled with g++ (-O3 -march=native) by torch.utils.cpp_extension (ninja) into
+<user cache>/o3edge/cpu_ext/<hash of source and torch version>, about 30 s once; later processes load
+it in milliseconds. Where the CPU lacks AVX-512 VNNI, or no compiler is found, or
+O3EDGE_CPU_KERNELS=torch, `available()` is False and the engines keep torch's kernels (fbgemm, int4pack).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from o3edge.engine.cpu_quant import cpu_features
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+NEEDS = {"avx512f", "avx512bw", "avx512_vnni"}
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+
+
+def build_dir() -> Path:
+    """<XDG cache or ~/.cache>/o3edge/cpu_ext/<hash>: one build per source, torch version and flags."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_CFLAGS).encode())
+    return Path(base) / "o3edge" / "cpu_ext" / key.hexdigest()[:16]
+
+
+@functools.cache
+def available() -> bool:
+    """Build (or load the cached build of) the kernels; False where they cannot run here."""
+    if os.environ.get("O3EDGE_CPU_KERNELS", "auto") == "torch":
+        return False
+    missing = NEEDS - cpu_features()
+    if platform.machine() not in ("x86_64", "AMD64") or missing:
+        log.info("o3edge CPU kernels off: this CPU lacks %s", ", ".join(sorted(missing)) or "x86-64")
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        path = build_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        load(name="o3edge_cpu_" + path.name, sources=[str(SOURCE)], build_directory=str(path),
+             extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a build error: torch's kernels still work
+        log.warning("o3edge CPU kernels unavailable (%s); using torch's kernels", str(exc).splitlines()[0][:200])
+        return False
+    _register_fakes()
+    return True
+
+
+_FAKES: list[bool] = []
+
+
+def _register_fakes() -> None:
+    """Output shapes of the operators, for torch.compile's tracing (once per process)."""
+    if _FAKES:
+        return
+    _FAKES.append(True)
+
+    @torch.library.register_fake("o3edge_cpu::span_attention")
+    def _(q, k, v, kv_cache, layer, slots, positions):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("o3edge_cpu::int8_linear")
+    def _(x, packed, wsum, scales, group_size):
+        return x.new_empty(*x.shape[:-1], packed.shape[0] * 16, dtype=torch.float32)
+
+    @torch.library.register_fake("o3edge_cpu::int4_linear")
+    def _(x, packed, scales, zeros, group_size, out_features):
+        return x.new_empty(*x.shape[:-1], out_features, dtype=torch.float32)
+
+
+def activation_group(in_features: int) -> int:
+    """The group of input columns that share one int8 activation scale: 32 where K allows, else 16, 8, 4."""
+    return next((g for g in (32, 16, 8, 4) if in_features % g == 0), 0)

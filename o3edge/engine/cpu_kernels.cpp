@@ -1,0 +1,305 @@
+// o3edge CPU decode kernels (see o3edge/engine/cpu_ext.py)
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+#include <torch/library.h>
+#include <cmath>
+#include <vector>
+
+using at::Tensor;
+
+// One new token per sequence: write k, v [B, KVH, hd] at cache slots [B] of `layer`, then attend each q
+// [B, H, hd] to its sequence's keys, slots [slot - position, slot] (consecutive) -> [B, H, hd].
+// kv_cache: [L, 2, S, KVH, hd] float32, contiguous.
+Tensor span_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& kv_cache, int64_t layer,
+                      const Tensor& slots, const Tensor& positions) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat, "kv_cache: contiguous float32");
+  auto qc = q.contiguous().to(at::kFloat), kc = k.contiguous().to(at::kFloat), vc = v.contiguous().to(at::kFloat);
+  const int64_t B = q.size(0), H = q.size(1), hd = q.size(2), KVH = kv_cache.size(3), S = kv_cache.size(2);
+  const int64_t rep = H / KVH, row = KVH * hd;
+  float* kbase = kv_cache.data_ptr<float>() + layer * 2 * S * row;
+  float* vbase = kbase + S * row;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* ps = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sl[b] >= ps[b] && sl[b] < S, "slot out of range");
+    std::memcpy(kbase + sl[b] * row, kc.data_ptr<float>() + b * row, row * sizeof(float));
+    std::memcpy(vbase + sl[b] * row, vc.data_ptr<float>() + b * row, row * sizeof(float));
+  }
+  auto out = at::empty({B, H, hd}, q.options().dtype(at::kFloat));
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt((float)hd);
+  int64_t maxlen = 0;
+  for (int64_t b = 0; b < B; ++b) maxlen = std::max(maxlen, ps[b] + 1);
+  const int64_t grain = maxlen * B * H >= 4096 ? 1 : B * KVH;  // short contexts: one thread, no fork
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  TORCH_CHECK(hd % W == 0 && hd <= 256, "head_dim must be a multiple of ", W, " and <= 256");
+  at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> sc(rep * maxlen + W);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / KVH, g = bg % KVH, n = ps[b] + 1, start = sl[b] - ps[b];
+      const float* qh = qp + (b * H + g * rep) * hd;
+      for (int64_t t = 0; t < n; ++t) {  // scores: each key row read once for the group's heads
+        const float* kt = kbase + (start + t) * row + g * hd;
+        for (int64_t r = 0; r < rep; ++r) {
+          const float* qr = qh + r * hd;
+          Vec acc = Vec::loadu(qr) * Vec::loadu(kt);
+          for (int64_t d = W; d < hd; d += W) acc = at::vec::fmadd(Vec::loadu(qr + d), Vec::loadu(kt + d), acc);
+          sc[r * n + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc) * scale;
+        }
+      }
+      for (int64_t r = 0; r < rep; ++r) {
+        float* s = sc.data() + r * n;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+        const Vec vm(m);
+        Vec vsum(0.f);
+        int64_t t = 0;
+        for (; t + W <= n; t += W) {
+          Vec e = (Vec::loadu(s + t) - vm).exp_u20();
+          e.store(s + t);
+          vsum = vsum + e;
+        }
+        float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+        for (; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        const float inv = 1.f / sum;
+        Vec acc[256 / W];
+        for (int64_t i = 0; i < hd / W; ++i) acc[i] = Vec(0.f);
+        for (int64_t t2 = 0; t2 < n; ++t2) {
+          const float* vt = vbase + (start + t2) * row + g * hd;
+          const Vec p(s[t2]);
+          for (int64_t i = 0; i < hd / W; ++i) acc[i] = at::vec::fmadd(p, Vec::loadu(vt + i * W), acc[i]);
+        }
+        float* o = op + (b * H + g * rep + r) * hd;
+        for (int64_t i = 0; i < hd / W; ++i) (acc[i] * Vec(inv)).store(o + i * W);
+      }
+    }
+  });
+  return out.to(q.scalar_type());
+}
+
+
+#include <immintrin.h>
+
+// ---- INT4 weights x INT8 activations (AVX-512 VNNI) ------------------------------------------------------
+// Weight layout ("rows16"): packed uint8 [N/16, Kp/8, 64]; in the 64 bytes of row block rb and k-octet o, byte
+// r*4 + j holds row rb*16+r: column 8o+j in the low nibble, column 8o+4+j in the high one (q in 0..15).
+// scales, zeros: bf16 [Kp/G, N]; w = (q - 8) * scale + zero (o3edge/engine/quant.py's scheme).
+// Activations are quantized per group of G columns to int8 (symmetric, scale max|x|/127) on entry.
+
+static inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// MB activation rows m0.. against one block of 16 weight rows: each weight load and unpack serves MB rows
+template <int MB>
+static inline void int4_rows(const uint8_t* wb, const int8_t* xq, const float* xs, const int32_t* xsum,
+                             const at::BFloat16* sp, const at::BFloat16* zp, float* op, int64_t m0, int64_t rb,
+                             int64_t N, int64_t Kp, int64_t NG, int64_t per_group) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < NG; ++g) {
+    __m512i ai[MB];
+    for (int i = 0; i < MB; ++i) ai[i] = _mm512_setzero_si512();
+    const uint8_t* w = wb + g * per_group * 64;
+    for (int64_t o = 0; o < per_group; ++o) {
+      const __m512i v = _mm512_loadu_si512(w + o * 64);
+      const __m512i lo = _mm512_and_si512(v, mask);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      for (int i = 0; i < MB; ++i) {
+        const int32_t* xg = reinterpret_cast<const int32_t*>(xq + (m0 + i) * Kp) + (g * per_group + o) * 2;
+        ai[i] = _mm512_dpbusd_epi32(ai[i], lo, _mm512_set1_epi32(xg[0]));
+        ai[i] = _mm512_dpbusd_epi32(ai[i], hi, _mm512_set1_epi32(xg[1]));
+      }
+    }
+    const __m512 sc = bf16x16_to_f32(sp + g * N + rb * 16);
+    const __m512 ze = bf16x16_to_f32(zp + g * N + rb * 16);
+    for (int i = 0; i < MB; ++i) {
+      const float s = xs[(m0 + i) * NG + g];
+      const int32_t xsm = xsum[(m0 + i) * NG + g];
+      const __m512i a = _mm512_sub_epi32(ai[i], _mm512_set1_epi32(8 * xsm));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(s)), acc[i]);
+      acc[i] = _mm512_fmadd_ps(ze, _mm512_set1_ps(s * (float)xsm), acc[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(op + (m0 + i) * N + rb * 16, acc[i]);
+}
+
+Tensor int4_linear(const Tensor& x_in, const Tensor& packed, const Tensor& scales, const Tensor& zeros,
+                   int64_t group_size, int64_t out_features) {
+  const int64_t K = x_in.size(-1), N = out_features, G = group_size;
+  const int64_t Kp = packed.size(1) * 8, NG = Kp / G;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) * 16 == N && packed.size(2) == 64, "int4_linear: bad packed shape");
+  TORCH_CHECK(G % 8 == 0 && Kp % G == 0 && K <= Kp, "int4_linear: bad group size");
+  auto x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  // quantize activations per group
+  std::vector<int8_t> xq(M * Kp, 0);
+  std::vector<float> xs(M * NG);
+  std::vector<int32_t> xsum(M * NG);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < NG; ++g) {
+      const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
+      float amax = 0.f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::abs(xp[m * K + k]));
+      const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        const int32_t q = (int32_t)std::nearbyint(xp[m * K + k] * inv);
+        xq[m * Kp + k] = (int8_t)q;
+        sum += q;
+      }
+      xs[m * NG + g] = s;
+      xsum[m * NG + g] = sum;
+    }
+  }
+  auto out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::BFloat16* sp = scales.data_ptr<at::BFloat16>();
+  const at::BFloat16* zp = zeros.data_ptr<at::BFloat16>();
+  const int64_t blocks = N / 16, octets = Kp / 8, per_group = G / 8;
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(16384 / std::max<int64_t>(1, Kp)));  // ~16 KB of weights per task
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t rb = b0; rb < b1; ++rb) {
+      const uint8_t* wb = wp + rb * octets * 64;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int4_rows<4>(wb, xq.data(), xs.data(), xsum.data(), sp, zp, op, m, rb, N, Kp, NG, per_group);
+      for (; m < M; ++m) int4_rows<1>(wb, xq.data(), xs.data(), xsum.data(), sp, zp, op, m, rb, N, Kp, NG, per_group);
+    }
+  });
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return out.view(shape);
+}
+
+// qweight uint8 [N, Kp/2] (column 2i high nibble, 2i+1 low) -> rows16 packed [N/16, Kp/8, 64]
+Tensor int4_pack_rows16(const Tensor& qweight) {
+  const int64_t N = qweight.size(0), Kp = qweight.size(1) * 2;
+  TORCH_CHECK(N % 16 == 0 && Kp % 8 == 0, "int4_pack_rows16: N % 16 and Kp % 8 must be 0");
+  auto q = qweight.contiguous();
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  auto out = at::empty({N / 16, Kp / 8, 64}, q.options());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  auto nib = [&](int64_t n, int64_t k) -> uint8_t {
+    const uint8_t b = src[n * (Kp / 2) + k / 2];
+    return (k % 2 == 0) ? (b >> 4) : (b & 0x0F);
+  };
+  for (int64_t rb = 0; rb < N / 16; ++rb)
+    for (int64_t o = 0; o < Kp / 8; ++o)
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t j = 0; j < 4; ++j) {
+          const int64_t n = rb * 16 + r;
+          dst[(rb * (Kp / 8) + o) * 64 + r * 4 + j] = nib(n, 8 * o + j) | (nib(n, 8 * o + 4 + j) << 4);
+        }
+  return out;
+}
+
+// ---- INT8 weights x INT8 activations (AVX-512 VNNI) ------------------------------------------------------
+// Weight layout: packed int8 [N/16, K/4, 64]: byte r*4 + j of row block rb and k-quad o is w[rb*16+r][4o+j].
+// wsum int32 [K/G, N]: per group sums of the row's int8 weights; scales float32 [N]: w ~ q * scale[row].
+// Activations are quantized per group of G columns to int8 and fed to vpdpbusd as x + 128 (unsigned); the
+// 128 * sum(w) that adds is taken out per group.
+template <int MB>
+static inline void int8_rows(const int8_t* wb, const uint8_t* xu, const float* xs, const int32_t* ws,
+                             const float* sp, float* op, int64_t m0, int64_t rb, int64_t N, int64_t K, int64_t NG,
+                             int64_t per_group) {
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < NG; ++g) {
+    __m512i a0[MB], a1[MB];
+    for (int i = 0; i < MB; ++i) a0[i] = a1[i] = _mm512_setzero_si512();
+    const int8_t* w = wb + g * per_group * 64;
+    int64_t o = 0;
+    for (; o + 2 <= per_group; o += 2) {
+      const __m512i w0 = _mm512_loadu_si512(w + o * 64), w1 = _mm512_loadu_si512(w + o * 64 + 64);
+      for (int i = 0; i < MB; ++i) {
+        const int32_t* xg = reinterpret_cast<const int32_t*>(xu + (m0 + i) * K) + g * per_group + o;
+        a0[i] = _mm512_dpbusd_epi32(a0[i], _mm512_set1_epi32(xg[0]), w0);
+        a1[i] = _mm512_dpbusd_epi32(a1[i], _mm512_set1_epi32(xg[1]), w1);
+      }
+    }
+    for (; o < per_group; ++o) {
+      const __m512i w0 = _mm512_loadu_si512(w + o * 64);
+      for (int i = 0; i < MB; ++i) {
+        const int32_t* xg = reinterpret_cast<const int32_t*>(xu + (m0 + i) * K) + g * per_group + o;
+        a0[i] = _mm512_dpbusd_epi32(a0[i], _mm512_set1_epi32(xg[0]), w0);
+      }
+    }
+    const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(ws + g * N + rb * 16), 7);
+    for (int i = 0; i < MB; ++i) {
+      const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(a0[i], a1[i]), corr);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(xs[(m0 + i) * NG + g]), acc[i]);
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(sp + rb * 16);
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(op + (m0 + i) * N + rb * 16, _mm512_mul_ps(acc[i], s));
+}
+
+Tensor int8_linear(const Tensor& x_in, const Tensor& packed, const Tensor& wsum, const Tensor& scales,
+                   int64_t group_size) {
+  const int64_t K = x_in.size(-1), N = packed.size(0) * 16, G = group_size, NG = K / G;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) * 4 == K && packed.size(2) == 64, "int8_linear: bad packed shape");
+  TORCH_CHECK(G % 4 == 0 && K % G == 0 && wsum.size(0) == NG, "int8_linear: bad group size");
+  auto x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<uint8_t> xu(M * K);
+  std::vector<float> xs(M * NG);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < NG; ++g) {
+      float amax = 0.f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) amax = std::max(amax, std::abs(xp[m * K + k]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      xs[m * NG + g] = amax / 127.f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k)
+        xu[m * K + k] = (uint8_t)((int32_t)std::nearbyint(xp[m * K + k] * inv) + 128);
+    }
+  auto out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* ws = wsum.data_ptr<int32_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int64_t blocks = N / 16, quads = K / 4, per_group = G / 4;
+  const int64_t grain = std::max<int64_t>(1, (int64_t)(16384 / std::max<int64_t>(1, K)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t rb = b0; rb < b1; ++rb) {
+      const int8_t* wb = wp + rb * quads * 64;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int8_rows<4>(wb, xu.data(), xs.data(), ws, sp, op, m, rb, N, K, NG, per_group);
+      for (; m < M; ++m) int8_rows<1>(wb, xu.data(), xs.data(), ws, sp, op, m, rb, N, K, NG, per_group);
+    }
+  });
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return out.view(shape);
+}
+
+// q int8 [N, K] -> packed int8 [N/16, K/4, 64] for int8_linear
+Tensor int8_pack_rows16(const Tensor& q) {
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(N % 16 == 0 && K % 4 == 0, "int8_pack_rows16: N % 16 and K % 4 must be 0");
+  return q.contiguous().view({N / 16, 16, K / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({N / 16, K / 4, 64});
+}
+
+TORCH_LIBRARY(o3edge_cpu, m) {
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor wsum, Tensor scales, int group_size) -> Tensor");
+  m.def("int8_pack_rows16(Tensor q) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, int out_features) -> Tensor");
+  m.def("int4_pack_rows16(Tensor qweight) -> Tensor");
+  m.def("span_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, int layer, Tensor slots, "
+        "Tensor positions) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(o3edge_cpu, CPU, m) { m.impl("span_attention", span_attention);
+  m.impl("int4_linear", int4_linear);
+  m.impl("int4_pack_rows16", int4_pack_rows16);
+  m.impl("int8_linear", int8_linear);
+  m.impl("int8_pack_rows16", int8_pack_rows16);
+}

@@ -1,0 +1,89 @@
+"""o3edge's own CPU kernels (cpu_ext.py): the VNNI INT8/INT4 linears against their dequantized weights, the
+C++ span attention against the Python one, and the fallback to torch's kernels."""
+
+import pytest
+import torch
+
+from o3edge.engine import cpu_ext, cpu_quant
+from o3edge.engine.cpu_compiled import span_decode_attention
+from o3edge.engine.cpu_quant import Int8Linear, dequantize_int8, quantize_int8
+from o3edge.engine.quant import Int4Linear, dequantize_int4, quantize_int4
+
+needs_kernels = pytest.mark.skipif(not cpu_ext.available(), reason="this CPU lacks AVX-512 VNNI (or no g++/ninja)")
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 130])
+@pytest.mark.parametrize("k", [80, 576])
+def test_vnni_int8_linear_matches_its_dequantized_weight(rows, k):
+    w = torch.randn(48, k)
+    q, scales = quantize_int8(w)
+    layer = Int8Linear(k, 48)
+    assert layer.kernel == "vnni"
+    layer.load_quantized(q, scales)
+    x = torch.randn(2, rows, k)
+    ref = x @ dequantize_int8(q, scales).T
+    out = layer(x)
+    assert out.shape == (2, rows, 48) and out.dtype == torch.float32
+    assert (out - ref).norm() / ref.norm() < 1.5e-2  # int8 activations per group of columns
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 130])
+@pytest.mark.parametrize("k,group", [(80, 32), (576, 64), (1536, 32)])
+def test_vnni_int4_linear_matches_its_dequantized_weight(rows, k, group):
+    """K not a multiple of the group (80 -> 96 zero-padded columns) included."""
+    w = torch.randn(64, k)
+    qweight, sz = quantize_int4(w, group)
+    layer = Int4Linear(k, 64, group)
+    layer.load_quantized(qweight, sz)
+    assert layer.vnni
+    x = torch.randn(rows, k)
+    ref = x @ dequantize_int4(qweight, sz, k).T
+    out = layer(x)
+    assert out.shape == (rows, 64) and out.dtype == torch.float32
+    assert (out - ref).norm() / ref.norm() < 1.5e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_span_attention_writes_and_attends_like_the_python_op(dtype):
+    """Three sequences at different positions in one pool: the same cache writes and outputs."""
+    torch.manual_seed(0)
+    L, S, KVH, H, hd = 2, 96, 2, 6, 64
+    kv = torch.randn(L, 2, S, KVH, hd)
+    q, k, v = (torch.randn(3, n, hd).to(dtype) for n in (H, KVH, KVH))
+    positions = torch.tensor([0, 17, 40])
+    slots = torch.tensor([3, 20 + 17, 50 + 40])
+    ours, ref = kv.clone(), kv.clone()
+    out = torch.ops.o3edge_cpu.span_attention(q, k, v, ours, 1, slots, positions)
+    expected = span_decode_attention(q.float(), k.float(), v.float(), ref, 1, slots, positions)
+    assert torch.equal(ours, ref)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+def test_kernels_off_keeps_torchs_kernels(monkeypatch):
+    """O3EDGE_CPU_KERNELS=torch (or a CPU without VNNI): INT8 layers take fbgemm, INT4 layers int4pack."""
+    monkeypatch.setenv("O3EDGE_CPU_KERNELS", "torch")
+    cpu_ext.available.cache_clear()
+    try:
+        assert not cpu_ext.available()
+        assert Int8Linear(64, 48).kernel == ("fbgemm" if cpu_quant.has_fbgemm() else "int8pack")
+        layer = Int4Linear(64, 32, 32)
+        layer.load_quantized(*quantize_int4(torch.randn(32, 64), 32))
+        assert not layer.vnni
+    finally:
+        monkeypatch.delenv("O3EDGE_CPU_KERNELS")
+        cpu_ext.available.cache_clear()
+
+
+def test_layers_the_kernel_cannot_take_fall_back():
+    """Rows not a multiple of 16: fbgemm (or int8pack), whatever the CPU."""
+    assert Int8Linear(64, 40).kernel in ("fbgemm", "int8pack")
+
+
+@needs_kernels
+def test_loading_twice_in_one_process_is_harmless():
+    cpu_ext.available.cache_clear()
+    assert cpu_ext.available() and cpu_ext.available()
