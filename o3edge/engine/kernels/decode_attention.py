@@ -103,26 +103,13 @@ def _decode_attention_kernel(
     pdl.launch_next(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
-    meta = meta_ptr + b * stride_meta  # written before the step's first kernel: no wait needed
-    pos = tl.load(meta + 1)
+    meta = meta_ptr + b * stride_meta
     d = tl.arange(0, HD_PAD)
-    d_mask = d < HD
     g = tl.arange(0, G_PAD)
     g_mask = g < G
-    cos = tl.load(cos_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
-    pdl.wait_for_previous(PDL)  # q, k, v are the QKV projection's output
-    row = qkv_ptr + b * stride_qkv
-    q = _rope_rows(row, kvh * G + g, g_mask, d, cos, sin, HD, qn_ptr, eps, QK_NORM, dtype)  # [G_PAD, HD]
-    one = tl.arange(0, 1)
-    k_new = _rope_rows(row + (H + kvh) * HD, one, one < 1, d, cos, sin, HD, kn_ptr, eps, QK_NORM, dtype)  # [1, HD]
-    new_mask = (one < 1)[:, None] & d_mask[None, :]
-    v_new = tl.load(row + (H + KVH + kvh) * HD + d[None, :] + one[:, None] * 0, mask=new_mask, other=0.0)  # [1, HD_PAD]
-    if split == 0:
-        slot = tl.load(meta + 2).to(tl.int64)
-        dst = slot * stride_slot + kvh * HD + one[:, None] * 0 + d[None, :]
-        tl.store(k_cache_ptr + dst, k_new, mask=new_mask)
-        tl.store(v_cache_ptr + dst, v_new, mask=new_mask)
+    pos, q, k_new, v_new = new_token(qkv_ptr + b * stride_qkv, meta, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                                     stride_slot, kvh, split, d, g, g_mask, qn_ptr, kn_ptr, eps, H, KVH, G, HD,
+                                     QK_NORM, PDL, dtype)
 
     ctx = pos  # cached keys before the new token
     chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -142,24 +129,60 @@ def _decode_attention_kernel(
             m, l_sum, acc = _attend_block(q, m, l_sum, acc, n0, end, meta, k_cache_ptr, v_cache_ptr, stride_slot,
                                           kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
     if split == 0:  # the new token attends to itself
-        s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale  # [G_PAD]
-        m_new = tl.maximum(m, s_self)
-        alpha = tl.exp(m - m_new)
-        p_self = tl.exp(s_self - m_new)
-        l_sum = l_sum * alpha + p_self
-        acc = acc * alpha[:, None] + p_self[:, None] * v_new.to(tl.float32)
-        m = m_new
-    heads = kvh * G + g
+        m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
+    store_rows(acc, l_sum, m, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr, (b * H + kvh * G + g) * NUM_SPLITS
+               + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
+
+
+@triton.jit
+def new_token(row, meta, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, stride_slot, kvh, split, d, g, g_mask, qn_ptr,
+              kn_ptr, eps, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
+              QK_NORM: tl.constexpr, PDL: tl.constexpr, dtype: tl.constexpr):
+    """The step's token for one KV head: its position, its GQA group's queries [G_PAD, HD_PAD] and its
+    key [1, HD_PAD] (optional q/k norm, then RoPE) and value, read from its fused QKV row; split 0 writes
+    the key and value into the token's cache slot (meta's third column). The position and its RoPE
+    rows are read before waiting for the QKV projection (meta is written before the step's first kernel)."""
+    d_mask = d < HD
+    pos = tl.load(meta + 1)
+    cos = tl.load(cos_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
+    pdl.wait_for_previous(PDL)  # q, k, v are the QKV projection's output
+    q = _rope_rows(row, kvh * G + g, g_mask, d, cos, sin, HD, qn_ptr, eps, QK_NORM, dtype)
+    one = tl.arange(0, 1)
+    k_new = _rope_rows(row + (H + kvh) * HD, one, one < 1, d, cos, sin, HD, kn_ptr, eps, QK_NORM, dtype)
+    new_mask = (one < 1)[:, None] & d_mask[None, :]
+    v_new = tl.load(row + (H + KVH + kvh) * HD + d[None, :] + one[:, None] * 0, mask=new_mask, other=0.0)
+    if split == 0:
+        slot = tl.load(meta + 2).to(tl.int64)
+        dst = slot * stride_slot + kvh * HD + one[:, None] * 0 + d[None, :]
+        tl.store(k_cache_ptr + dst, k_new, mask=new_mask)
+        tl.store(v_cache_ptr + dst, v_new, mask=new_mask)
+    return pos, q, k_new, v_new
+
+
+@triton.jit
+def attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale):
+    """The online softmax's step for the new token's own key and value."""
+    s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale  # [G_PAD]
+    m_new = tl.maximum(m, s_self)
+    alpha = tl.exp(m - m_new)
+    p_self = tl.exp(s_self - m_new)
+    return m_new, l_sum * alpha + p_self, acc * alpha[:, None] + p_self[:, None] * v_new.to(tl.float32)
+
+
+@triton.jit
+def store_rows(acc, l_sum, m, out_row, part_o_ptr, part_lse_ptr, part, heads, g_mask, d, HD: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, dtype: tl.constexpr):
+    """A program's heads: their output (one split), or this split's normalized partial output and
+    log-sum-exp at rows `part` (a row without keys: 0 and -inf, weight 0 in the merge)."""
+    mask = g_mask[:, None] & (d < HD)[None, :]
     if NUM_SPLITS == 1:
-        o = acc / l_sum[:, None]
-        tl.store(out_ptr + b * stride_out + heads[:, None] * HD + d[None, :], o.to(dtype),
-                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(out_row + heads[:, None] * HD + d[None, :], (acc / l_sum[:, None]).to(dtype), mask=mask)
     else:
         has = l_sum > 0
         o = tl.where(has[:, None], acc / tl.where(has, l_sum, 1.0)[:, None], 0.0)
         lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
-        part = (b * H + heads) * NUM_SPLITS + split  # [G_PAD]
-        tl.store(part_o_ptr + part[:, None] * HD + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_o_ptr + part[:, None] * HD + d[None, :], o, mask=mask)
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
 
 
@@ -191,12 +214,7 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, me
     B = qkv.shape[0]
     _, KVH, HD = k_cache.shape
     G = num_heads // KVH
-    out = torch.empty(B, num_heads * HD, device=qkv.device, dtype=k_cache.dtype)
-    if num_splits > 1:
-        part_o = torch.empty(B, num_heads, num_splits, HD, device=qkv.device, dtype=torch.float32)
-        part_lse = torch.empty(B, num_heads, num_splits, device=qkv.device, dtype=torch.float32)
-    else:
-        part_o = part_lse = out
+    out, part_o, part_lse = split_outputs(qkv, num_heads, HD, num_splits, k_cache.dtype)
     norm = q_norm is not None
     on = pdl.enabled(str(qkv.device))
     _decode_attention_kernel[(B, KVH, num_splits)](
@@ -207,11 +225,30 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, me
         BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, NUM_SPLITS=num_splits, QK_NORM=norm,
         IEEE=k_cache.dtype == torch.float32, INTERPRET=INTERPRET, PDL=on, num_warps=4, num_stages=2,
         **pdl.launch_options(on))
+    return merge_splits(out, part_o, part_lse, num_splits, on)
+
+
+def split_outputs(qkv: torch.Tensor, num_heads: int, head_dim: int, num_splits: int, dtype: torch.dtype):
+    """(output [B, H * hd], and with key splits their partial outputs [B, H, splits, hd] and log-sum-exps
+    [B, H, splits] in float32; without, the output again in their place)."""
+    B = qkv.shape[0]
+    out = torch.empty(B, num_heads * head_dim, device=qkv.device, dtype=dtype)
+    if num_splits == 1:
+        return out, out, out
+    return (out, torch.empty(B, num_heads, num_splits, head_dim, device=qkv.device, dtype=torch.float32),
+            torch.empty(B, num_heads, num_splits, device=qkv.device, dtype=torch.float32))
+
+
+def merge_splits(out: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, num_splits: int,
+                 pdl_on: bool) -> torch.Tensor:
+    """out, with the key splits' partial results merged into it (a second small kernel) when there are
+    several."""
     if num_splits > 1:
-        _merge_splits_kernel[(B, num_heads)](part_o, part_lse, out, out.stride(0), H=num_heads, HD=HD,
-                                             HD_PAD=triton.next_power_of_2(HD), NUM_SPLITS=num_splits,
-                                             SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=on, num_warps=2,
-                                             **pdl.launch_options(on))
+        B, H, _, HD = part_o.shape
+        _merge_splits_kernel[(B, H)](part_o, part_lse, out, out.stride(0), H=H, HD=HD,
+                                     HD_PAD=triton.next_power_of_2(HD), NUM_SPLITS=num_splits,
+                                     SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=pdl_on, num_warps=2,
+                                     **pdl.launch_options(pdl_on))
     return out
 
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from o3edge.engine.kernels import pdl
-from o3edge.engine.kernels.decode_attention import _rope_rows, paged_scores, softmax_step
+from o3edge.engine.kernels.decode_attention import attend_self, new_token, paged_scores, softmax_step, store_rows
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -167,27 +167,14 @@ def _router_decode_kernel(
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
     meta = meta_ptr + b * stride_meta
-    pos = tl.load(meta + 1)
     n_full = tl.load(meta + 3)
     n_comp = tl.load(meta + 4)
     d = tl.arange(0, HD_PAD)
-    d_mask = d < HD
     g = tl.arange(0, G_PAD)
     g_mask = g < G
-    cos = tl.load(cos_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * HD + d, mask=d_mask, other=0.0).to(tl.float32)
-    pdl.wait_for_previous(PDL)  # q, k, v are the QKV projection's output
-    row = qkv_ptr + b * stride_qkv
-    q = _rope_rows(row, kvh * G + g, g_mask, d, cos, sin, HD, qn_ptr, eps, QK_NORM, dtype)  # [G_PAD, HD_PAD]
-    one = tl.arange(0, 1)
-    k_new = _rope_rows(row + (H + kvh) * HD, one, one < 1, d, cos, sin, HD, kn_ptr, eps, QK_NORM, dtype)
-    new_mask = (one < 1)[:, None] & d_mask[None, :]
-    v_new = tl.load(row + (H + KVH + kvh) * HD + d[None, :] + one[:, None] * 0, mask=new_mask, other=0.0)
-    if split == 0:
-        slot = tl.load(meta + 2).to(tl.int64)
-        dst = slot * stride_slot + kvh * HD + one[:, None] * 0 + d[None, :]
-        tl.store(k_cache_ptr + dst, k_new, mask=new_mask)
-        tl.store(v_cache_ptr + dst, v_new, mask=new_mask)
+    pos, q, k_new, v_new = new_token(qkv_ptr + b * stride_qkv, meta, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                                     stride_slot, kvh, split, d, g, g_mask, qn_ptr, kn_ptr, eps, H, KVH, G, HD,
+                                     QK_NORM, PDL, dtype)
 
     # the full-precision keys: this split's chunk of the compacted table
     chunk = tl.cdiv(tl.cdiv(n_full, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -204,18 +191,12 @@ def _router_decode_kernel(
         m, l_sum, acc = softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
         n0 += BLOCK_N
     if split == 0:  # the new token attends to itself
-        s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale
-        m_new = tl.maximum(m, s_self)
-        alpha = tl.exp(m - m_new)
-        p_self = tl.exp(s_self - m_new)
-        l_sum = l_sum * alpha + p_self
-        acc = acc * alpha[:, None] + p_self[:, None] * v_new.to(tl.float32)
-        m = m_new
+        m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
 
     # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
     qf = q.to(tl.float32)
     if BITS == 4:
-        rmask = d_mask[:, None] & d_mask[None, :]
+        rmask = (d < HD)[:, None] & (d < HD)[None, :]
         rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
         qf = tl.dot(qf, rot, input_precision="ieee")
     per = tl.cdiv(n_comp, NUM_SPLITS)
@@ -240,18 +221,8 @@ def _router_decode_kernel(
     w_c = tl.where(l_c > 0, tl.exp(m_c - m_safe), 0.0)
     l_all = l_sum * w_f + l_c * w_c
     acc_all = acc * w_f[:, None] + acc_c * w_c[:, None]
-    heads = kvh * G + g
-    if NUM_SPLITS == 1:
-        o = acc_all / l_all[:, None]
-        tl.store(out_ptr + b * stride_out + heads[:, None] * HD + d[None, :], o.to(dtype),
-                 mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        has = l_all > 0
-        o = tl.where(has[:, None], acc_all / tl.where(has, l_all, 1.0)[:, None], 0.0)
-        lse = tl.where(has, m_safe + tl.log(tl.where(has, l_all, 1.0)), float("-inf"))
-        part = (b * H + heads) * NUM_SPLITS + split
-        tl.store(part_o_ptr + part[:, None] * HD + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+    store_rows(acc_all, l_all, m_safe, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr,
+               (b * H + kvh * G + g) * NUM_SPLITS + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
 
 
 def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: torch.Tensor,
@@ -264,18 +235,13 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     [slots, KVH, hd] (written at each row's slot); codes [2, slots, KVH, cd] and scales [2, slots, KVH]
     of the layer (KVRouter.codes[layer], .scales[layer]); rotation [hd, hd] float32 for int4.
     Returns the attention output [B, H * hd]. Static shapes: it can be captured in a CUDA graph."""
-    from o3edge.engine.kernels.decode_attention import _merge_splits_kernel
+    from o3edge.engine.kernels.decode_attention import merge_splits, split_outputs
 
     B = qkv.shape[0]
     _, KVH, HD = k_cache.shape
     G = num_heads // KVH
     max_blocks = (meta.shape[1] - 5) // 2
-    out = torch.empty(B, num_heads * HD, device=qkv.device, dtype=k_cache.dtype)
-    if num_splits > 1:
-        part_o = torch.empty(B, num_heads, num_splits, HD, device=qkv.device, dtype=torch.float32)
-        part_lse = torch.empty(B, num_heads, num_splits, device=qkv.device, dtype=torch.float32)
-    else:
-        part_o = part_lse = out
+    out, part_o, part_lse = split_outputs(qkv, num_heads, HD, num_splits, k_cache.dtype)
     norm = q_norm is not None
     rot = rotation if rotation is not None else cos
     on = pdl.enabled(str(qkv.device))
@@ -289,12 +255,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, CBLOCK_N=max(16, triton.next_power_of_2(block_size)),
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
         PDL=on, num_warps=4, **pdl.launch_options(on))
-    if num_splits > 1:
-        _merge_splits_kernel[(B, num_heads)](part_o, part_lse, out, out.stride(0), H=num_heads, HD=HD,
-                                             HD_PAD=triton.next_power_of_2(HD), NUM_SPLITS=num_splits,
-                                             SPLITS_PAD=triton.next_power_of_2(num_splits), PDL=on, num_warps=2,
-                                             **pdl.launch_options(on))
-    return out
+    return merge_splits(out, part_o, part_lse, num_splits, on)
 
 
 def router_decode_reference(qkv, cos, sin, meta, k_cache, v_cache, codes, scales, rotation, mode, num_heads,
