@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import psutil
@@ -23,17 +24,22 @@ class EstimateMeter(Meter):
 
     name = "estimate"
     is_estimate = True
-    update_period_s = 0.01  # CPU time is kept in clock ticks
+    update_period_s = 0.01
 
     def __init__(self, watts_per_core: float = DEFAULT_WATTS_PER_CORE, pid: int | None = None):
         if watts_per_core <= 0:
             raise ValueError(f"watts_per_core must be positive, got {watts_per_core}")
         self.watts_per_core = watts_per_core
         self._process = psutil.Process(pid)
+        # this process: the kernel's per-process CPU clock (ns); another one: /proc's clock ticks (10 ms),
+        # too coarse for a request that takes a few milliseconds of CPU
+        self._own = pid is None or pid == os.getpid()
         self._cpu_s0 = self._cpu_seconds()
         log.info("energy is ESTIMATED from CPU time at %.1f W per busy core (no meter readable)", watts_per_core)
 
     def _cpu_seconds(self) -> float:
+        if self._own:
+            return time.process_time()
         times = self._process.cpu_times()
         return times.user + times.system
 
