@@ -104,20 +104,13 @@ def _decode_attention_kernel(
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
     meta = meta_ptr + b * stride_meta
-    d = tl.arange(0, HD_PAD)
-    g = tl.arange(0, G_PAD)
-    g_mask = g < G
+    d, g, g_mask = head_ranges(HD_PAD, G_PAD, G)
     pos, q, k_new, v_new = new_token(qkv_ptr + b * stride_qkv, meta, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
                                      stride_slot, kvh, split, d, g, g_mask, qn_ptr, kn_ptr, eps, H, KVH, G, HD,
                                      QK_NORM, PDL, dtype)
 
-    ctx = pos  # cached keys before the new token
-    chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, ctx)
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, HD_PAD], tl.float32)
+    start, end = split_range(pos, split, NUM_SPLITS, BLOCK_N)  # of the pos keys cached before the new token
+    m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
     if INTERPRET:  # the interpreter cannot take a tensor as a range bound; compiled code pipelines a for
         n0 = start
         while n0 < end:
@@ -132,6 +125,28 @@ def _decode_attention_kernel(
         m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
     store_rows(acc, l_sum, m, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr, (b * H + kvh * G + g) * NUM_SPLITS
                + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
+
+
+@triton.jit
+def split_range(n, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of n keys for one of NUM_SPLITS key splits, in whole tiles of BLOCK_N."""
+    chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(start + chunk, n)
+
+
+@triton.jit
+def softmax_init(G_PAD: tl.constexpr, HD_PAD: tl.constexpr):
+    """An empty online softmax: running max, sum and weighted values of G_PAD rows."""
+    return (tl.full([G_PAD], float("-inf"), tl.float32), tl.zeros([G_PAD], tl.float32),
+            tl.zeros([G_PAD, HD_PAD], tl.float32))
+
+
+@triton.jit
+def head_ranges(HD_PAD: tl.constexpr, G_PAD: tl.constexpr, G: tl.constexpr):
+    """A decode-attention program's index vectors: head dimension [HD_PAD], GQA group [G_PAD] and its mask."""
+    g = tl.arange(0, G_PAD)
+    return tl.arange(0, HD_PAD), g, g < G
 
 
 @triton.jit

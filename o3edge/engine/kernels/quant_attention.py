@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from o3edge.engine.kernels import pdl
-from o3edge.engine.kernels.decode_attention import attend_self, new_token, paged_scores, softmax_step, store_rows
+from o3edge.engine.kernels.decode_attention import (attend_self, head_ranges, new_token, paged_scores,
+                                                     softmax_init, softmax_step, split_range, store_rows)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -169,20 +170,14 @@ def _router_decode_kernel(
     meta = meta_ptr + b * stride_meta
     n_full = tl.load(meta + 3)
     n_comp = tl.load(meta + 4)
-    d = tl.arange(0, HD_PAD)
-    g = tl.arange(0, G_PAD)
-    g_mask = g < G
+    d, g, g_mask = head_ranges(HD_PAD, G_PAD, G)
     pos, q, k_new, v_new = new_token(qkv_ptr + b * stride_qkv, meta, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
                                      stride_slot, kvh, split, d, g, g_mask, qn_ptr, kn_ptr, eps, H, KVH, G, HD,
                                      QK_NORM, PDL, dtype)
 
     # the full-precision keys: this split's chunk of the compacted table
-    chunk = tl.cdiv(tl.cdiv(n_full, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, n_full)
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, HD_PAD], tl.float32)
+    start, end = split_range(n_full, split, NUM_SPLITS, BLOCK_N)
+    m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
     n0 = start
     while n0 < end:  # a while loop: the interpreter cannot take a tensor as a range bound
         _, n_mask, s, v = paged_scores(q, n0, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
@@ -202,9 +197,7 @@ def _router_decode_kernel(
     per = tl.cdiv(n_comp, NUM_SPLITS)
     j = split * per
     j_end = tl.minimum(j + per, n_comp)
-    m_c = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_c = tl.zeros([G_PAD], tl.float32)
-    acc_c = tl.zeros([G_PAD, HD_PAD], tl.float32)
+    m_c, l_c, acc_c = softmax_init(G_PAD, HD_PAD)
     while j < j_end:
         blk = tl.load(meta + 5 + MAX_BLOCKS + j)
         m_c, l_c, acc_c = _attend_qblock(qf, m_c, l_c, acc_c, blk, k_codes, v_codes, k_scales, v_scales, kvh, d,
