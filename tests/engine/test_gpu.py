@@ -88,12 +88,12 @@ def test_programmatic_dependent_launch_changes_no_token(checkpoints, monkeypatch
     a1 = with_pdl.generate_batch(prompts[:1], params)[0].token_ids
     del with_pdl
     monkeypatch.setenv("O3EDGE_PDL", "0")
-    pdl.enabled.cache_clear()
+    pdl.reload()
     try:
         without = engine(path, dtype)
         b = [r.token_ids for r in without.generate_batch(prompts, params)]
         b1 = without.generate_batch(prompts[:1], params)[0].token_ids
     finally:
         monkeypatch.delenv("O3EDGE_PDL")
-        pdl.enabled.cache_clear()
+        pdl.reload()
     assert a == b and a1 == b1

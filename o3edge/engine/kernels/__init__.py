@@ -7,8 +7,12 @@ with a plain-torch reference beside it; the GPU tests hold the kernels to those 
 """
 
 import functools
+import os
 
 import torch
+
+# Triton's interpreter runs the kernels (CPU tests): no PTX-only features, no tensor as a range bound
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=None)

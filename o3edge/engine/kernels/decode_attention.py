@@ -15,16 +15,13 @@ it attends only to itself.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from o3edge.engine.kernels import pdl
+from o3edge.engine.kernels import INTERPRET, pdl
 
 META_TOKEN, META_POS, META_SLOT, META_TABLE = 0, 1, 2, 3
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

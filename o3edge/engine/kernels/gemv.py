@@ -19,18 +19,15 @@ Weights are the model's own [N, K] dense matrix, or o3edge's device-neutral INT4
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from o3edge.engine.kernels import pdl
+from o3edge.engine.kernels import INTERPRET, pdl
 from o3edge.engine.kernels.arrival import arrival_counters, last_arrival
 
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
 MAX_ROWS = 64  # the decode batches this serves; larger ones go to cuBLAS
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -123,34 +120,17 @@ def weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4: tl.constexp
 
 
 @triton.jit
-def _prefetch_weights(w_ptr, rn, n_mask, stride_w, k_start, K, INT4: tl.constexpr, BLOCK_K: tl.constexpr,
-                      TILES: tl.constexpr, PDL: tl.constexpr):
-    """Before waiting for its input, a program pulls its first weight tiles (rows rn, this split's
-    columns) into L2: weights are never written during a step."""
-    COLS: tl.constexpr = BLOCK_K // 2 if INT4 else BLOCK_K  # uint8 holds two INT4 columns
-    ELEM: tl.constexpr = 1 if INT4 else w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if COLS * ELEM >= 128:
-        for i in tl.static_range(TILES):
-            k0 = k_start + i * BLOCK_K
-            if INT4:
-                pdl.prefetch_l2(w_ptr, rn, n_mask, stride_w, k0 // 2, (K + 1) // 2, COLS, ELEM, PDL)
-            else:
-                pdl.prefetch_l2(w_ptr, rn, n_mask, stride_w, k0, K, COLS, ELEM, PDL)
-
-
-@triton.jit
 def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                    M, N, K: tl.constexpr, stride_x, stride_w, stride_out, stride_split, eps, K_PER_SPLIT,
                    PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr,
-                   SPLITS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   SPLITS: tl.constexpr, PDL: tl.constexpr):
     pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = rm < M, rn < N
-    _prefetch_weights(w_ptr, rn, n_mask, stride_w, pid_k * K_PER_SPLIT, K, INT4, BLOCK_K, PREFETCH, PDL)
     pdl.wait_for_previous(PDL)  # the activations are the previous kernel's output
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if PRO == 1:
@@ -250,7 +230,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=on, PREFETCH=min(iters, pdl.prefetch_tiles()) if on else 0, num_warps=warps,
+        PDL=on, num_warps=warps,
         **pdl.launch_options(on))
     if pro == PRO_NORM:
         return out, (x if residual is None else res_out)

@@ -5,8 +5,7 @@ drain completely, then pays its own launch and its first round trip to memory be
 With PDL, each kernel of the step is launched with CUDA's programmatic stream serialization and:
 - tells the GPU at once that the next kernel may launch (`launch_next`): the next kernel's programs
   take the SM slots the tail of this one frees;
-- does what does not depend on the previous kernel first: reading step metadata (and, when asked,
-  pulling its first weight tiles into L2: `prefetch_l2`; weights are never written during a step);
+- does what does not depend on the previous kernel first (reading step metadata);
 - waits (`wait_for_previous`) for the previous kernel to complete, its writes visible, before it reads
   what that kernel wrote and before it writes anything.
 Every kernel launched this way waits before its first dependent read and its first write, so kernel
@@ -15,7 +14,9 @@ without the attribute (torch's, cuBLAS) keep the ordinary full dependency.
 
 Off where it cannot work: under Triton's interpreter, before compute capability 9.0, or with
 `O3EDGE_PDL=0` (to measure against). On the H200 it took a batch-1 step of `llama-1b` from 1.012 to
-0.965 ms and of `tinyllama-1.1b` from 0.970 to 0.885 ms (docs/results/gpu-2026-11-30b/).
+0.965 ms and of `tinyllama-1.1b` from 0.970 to 0.885 ms (docs/results/gpu-2026-11-30b/). Pulling a
+skinny matmul's weights into L2 before the wait was tried there and dropped: its first tile changed a
+step by -1% to +4%, its whole slice cost 12-20% (evicted before it was read).
 """
 
 from __future__ import annotations
@@ -27,31 +28,21 @@ import torch
 import triton
 import triton.language as tl
 
-LINE = tl.constexpr(128)  # bytes per L2 prefetch
+from o3edge.engine.kernels import INTERPRET
 
 
 @functools.lru_cache(maxsize=None)
 def enabled(device: str) -> bool:
     """Whether kernels on this device launch with PDL."""
     dev = torch.device(device)
-    if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("O3EDGE_PDL") == "0":
+    if dev.type != "cuda" or INTERPRET or os.environ.get("O3EDGE_PDL") == "0":
         return False
     return torch.cuda.get_device_capability(dev)[0] >= 9
 
 
-@functools.lru_cache(maxsize=None)
-def prefetch_tiles() -> int:
-    """How many of its weight tiles a skinny matmul pulls into L2 before it waits (O3EDGE_PDL_PREFETCH).
-
-    None by default: on the H200 (tools/profile_gpu_step.py --variants) one tile changed a batch-1 step
-    by -1% to +4%, every tile cost 12-20% (a slice of a big projection is evicted before it is read)."""
-    return int(os.environ.get("O3EDGE_PDL_PREFETCH", "0"))
-
-
 def reload() -> None:
-    """Read O3EDGE_PDL and O3EDGE_PDL_PREFETCH again (kernels captured before keep their setting)."""
+    """Read O3EDGE_PDL again (kernels captured before keep their setting)."""
     enabled.cache_clear()
-    prefetch_tiles.cache_clear()
 
 
 def launch_options(pdl: bool) -> dict:
@@ -71,18 +62,3 @@ def wait_for_previous(PDL: tl.constexpr):
     """Block until the previous kernel has completed and its writes are visible."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(base, rows, row_mask, stride, col0, col_end, COLS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-                PDL: tl.constexpr):
-    """Pull rows x columns col0 .. col0+COLS (those below col_end) of a row-major matrix into L2,
-    one request per 128-byte line; COLS * ELEM_BYTES a multiple of 128 (a power of two)."""
-    if PDL:
-        STEP: tl.constexpr = LINE // ELEM_BYTES
-        LINES: tl.constexpr = COLS // STEP
-        cols = col0 + tl.arange(0, LINES) * STEP
-        mask = row_mask[:, None] & (cols < col_end)[None, :]
-        ptrs = tl.where(mask, base + rows[:, None].to(tl.int64) * stride + cols[None, :], base)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)

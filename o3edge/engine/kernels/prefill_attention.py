@@ -11,15 +11,13 @@ them; `seqs` is int32 [B, 3] = (first flat row, q_len, start) and `tables` int32
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels import INTERPRET
 from o3edge.engine.kernels.decode_attention import paged_scores, softmax_step
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

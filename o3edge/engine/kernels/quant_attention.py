@@ -13,17 +13,14 @@ for one layer: codes [2 (K/V), slots, KVH, code_dim], scales [2, slots, KVH] flo
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from o3edge.engine.kernels import pdl
+from o3edge.engine.kernels import INTERPRET, pdl
 from o3edge.engine.kernels.decode_attention import (attend_self, head_ranges, new_token, paged_scores,
                                                      softmax_init, softmax_step, split_range, store_rows)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
