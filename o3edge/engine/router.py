@@ -275,12 +275,12 @@ class KVRouter:
                 blocks = (part.comp_slots[::self.block_size] // self.block_size).to(torch.int32)
                 o_c, lse_c = quant_attention_partial(self._rotate(qf[0][None]), blocks[None], self.codes[layer],
                                                      self.scales[layer], self.cfg.mode, self.block_size)
-                o_c, lse_c = self._unrotate(o_c).transpose(0, 1), lse_c.transpose(0, 1)  # [H, 1, hd], [H, 1]
+                o_c, lse_c = self._rotate(o_c).transpose(0, 1), lse_c.transpose(0, 1)  # [H, 1, hd], [H, 1]
             else:
                 kc, vc = self._gather(layer, part.comp_slots)
                 s_comp = _scores(self._rotate(qf), kc, self.kv_heads) * scale  # [H, n, Sc]
                 lse_c = torch.logsumexp(s_comp, -1)
-                o_c = self._unrotate(_weighted(torch.exp(s_comp - lse_c[..., None]), vc, self.kv_heads))
+                o_c = self._rotate(_weighted(torch.exp(s_comp - lse_c[..., None]), vc, self.kv_heads))
             lse = torch.logaddexp(lse_f, lse_c)
             o = o * torch.exp(lse_f - lse)[..., None] + o_c * torch.exp(lse_c - lse)[..., None]
         else:
@@ -297,9 +297,7 @@ class KVRouter:
         return k, v
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.rotation is None else x @ self.rotation
-
-    def _unrotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Into the INT4 pool's rotated basis, and back: the Hadamard matrix is its own inverse."""
         return x if self.rotation is None else x @ self.rotation
 
     def _observe(self, layer, part: _SeqStep, s_full, s_comp, lse, qf, scale) -> None:

@@ -50,12 +50,7 @@ def _attend_qblock(q, m, l_sum, acc, blk, k_codes, v_codes, k_scales, v_scales, 
     v = _load_dequant(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, BLOCK_N]
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m - m_new)
-    l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    return m_new, l_sum, acc
+    return softmax_step(s, v, m, l_sum, acc, True, tl.float32)
 
 
 @triton.jit
@@ -71,9 +66,7 @@ def _quant_attention_kernel(q_ptr, stride_qb, table_ptr, stride_tb, count_ptr, k
     qmask = (g < G)[:, None] & (d < HD)[None, :]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * HD + d[None, :], mask=qmask, other=0.0).to(tl.float32)
     n = tl.load(count_ptr + b)
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_sum = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, HD_PAD], tl.float32)
+    m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
     if INTERPRET:  # the interpreter cannot take a tensor as a range bound
         j = 0
         while j < n:
