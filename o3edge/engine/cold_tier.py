@@ -60,7 +60,7 @@ SUPER_MAGIC = b"O3EDGEKV"
 SLOT = struct.Struct("<8sHHIQ16s16s16sIIQQ")  # see _write_header
 SLOT_MAGIC = b"O3KVSLOT"
 EMPTY, WRITING, VALID = 0, 1, 2
-_STATE_AT, _STAMP_AT, _CRC_AT, _SUM_AT = 10, 16, 12, 88
+_STATE_AT, _STAMP_AT, _CRC_AT = 10, 16, 12
 _SEGMENT = re.compile(PREFIX + r"[0-9a-f]{32}-[0-9]+")
 
 
@@ -267,10 +267,9 @@ class ColdTier:
             self._set_state(slot, WRITING)
             return slot
 
-    def commit(self, slot: int, entry: Entry, payload_sum: int | None = None) -> None:
+    def commit(self, slot: int, entry: Entry) -> None:
         """Seal a slot whose slab is written: checksum, header, then VALID; index it."""
-        if payload_sum is None:
-            payload_sum = slab_checksum(self.payload(slot))  # outside the lock: the GIL is released
+        payload_sum = slab_checksum(self.payload(slot))  # outside the lock: the GIL is released
         with self.lock:
             self._write_header(slot, entry, payload_sum)
             self.checked.add(slot)
@@ -306,9 +305,6 @@ class ColdTier:
                 slots.append(slot)
                 unchecked += slot not in self.checked
         return slots, unchecked
-
-    def is_checked(self, slot: int) -> bool:
-        return slot in self.checked
 
     def check(self, slot: int, h: bytes, parent: bytes, token_ids: tuple[int, ...]) -> bool:
         """Whether an acquired slot's header and slab are exactly this block (any thread; GIL released

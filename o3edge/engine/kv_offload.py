@@ -310,7 +310,7 @@ class KVOffloader:
             self.copier.mark(batch)
         except Exception:  # a copy that cannot start costs a future hit, never this step
             log.exception("cold tier: starting %d offloads failed; they are skipped", len(started))
-            self._give_up(batch)
+            self._give_up(batch.jobs)
             return
         with self.cond:
             for job in started:
@@ -373,7 +373,7 @@ class KVOffloader:
                 while batch.state == LAUNCHING:  # the engine thread took it
                     self.cond.wait()
             if batch.state == FAILED:
-                self._give_up(batch)
+                self._give_up(batch.jobs)
                 continue
             try:
                 self._seal(batch)
@@ -390,8 +390,8 @@ class KVOffloader:
             self._finished(job, ok=True)
         self.counts["cold_offload_seconds"] += time.perf_counter() - t0
 
-    def _give_up(self, jobs) -> None:
-        for job in (jobs.jobs if isinstance(jobs, Batch) else jobs):
+    def _give_up(self, jobs: list[Job]) -> None:
+        for job in jobs:
             self.tier.abandon(job.slot)
             self._finished(job, ok=False)
 
