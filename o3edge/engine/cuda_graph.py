@@ -81,9 +81,10 @@ class DecodeGraphs:
         sms = num_sms(str(dev))
         self.splits = {b: attention_splits(b, runner.args.num_kv_heads, sms) for b in self.batch_buckets}
         pinned = dev.type == "cuda"
-        self.meta = torch.zeros(B, 3 + self.max_blocks, dtype=torch.int32, device=dev)
+        width = self.meta_columns()
+        self.meta = torch.zeros(B, width, dtype=torch.int32, device=dev)
         # two host buffers: one can still be in flight to the device while the other is filled
-        self.meta_host = [torch.zeros(B, 3 + self.max_blocks, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self.meta_host = [torch.zeros(B, width, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         for m in self.meta_host:
             m[:, 2] = runner.scratch_slot
         self.meta.copy_(self.meta_host[0])
@@ -93,6 +94,10 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.ahead: list[tuple[int, int, int]] | None = None  # (seq_id, position, token) of the queued step
         self.num_steps = self.num_ahead_taken = 0
+
+    def meta_columns(self) -> int:
+        """Columns of a step's metadata row: token, position, slot, then the block table."""
+        return 3 + self.max_blocks
 
     def fits(self, batch) -> bool:
         """Whether a step's batch can take this path: decode only, within the largest batch bucket."""
@@ -111,17 +116,9 @@ class DecodeGraphs:
     def _launch(self, batch, B: int, ahead: int = 0, tokens: torch.Tensor | None = None):
         """Queue a step for batch, each sequence `ahead` positions past its computed tokens (with
         ahead, its input token is taken from `tokens` on the device). Returns (logits, tokens)."""
-        bs = self.block_size
         host = self.meta_host[self.num_fills % 2]
         self.num_fills += 1
-        meta = host.numpy()
-        for b, (seq, _) in enumerate(batch):
-            pos = seq.num_computed_tokens + ahead
-            table = seq.block_table
-            meta[b, 0], meta[b, 1] = (0 if ahead else seq.token_ids[pos]), pos
-            meta[b, 2] = table[pos // bs] * bs + pos % bs
-            meta[b, 3:3 + len(table)] = table
-        meta[len(batch):B, :3] = (0, 0, self.runner.scratch_slot)  # padding rows: scratch slot, self only
+        self.fill_meta(host.numpy(), batch, B, ahead)
         self.meta[:B].copy_(host[:B], non_blocking=True)
         if tokens is not None:
             self.meta[:len(batch), 0].copy_(tokens[:len(batch)])
@@ -130,6 +127,17 @@ class DecodeGraphs:
             graph.replay()
             return logits, out
         return self._forward(B)
+
+    def fill_meta(self, meta, batch, B: int, ahead: int) -> None:
+        """Rows of a step's host metadata (numpy) for batch, then padding rows up to bucket B."""
+        bs = self.block_size
+        for b, (seq, _) in enumerate(batch):
+            pos = seq.num_computed_tokens + ahead
+            table = seq.block_table
+            meta[b, 0], meta[b, 1] = (0 if ahead else seq.token_ids[pos]), pos
+            meta[b, 2] = table[pos // bs] * bs + pos % bs
+            meta[b, 3:3 + len(table)] = table
+        meta[len(batch):B, :3] = (0, 0, self.runner.scratch_slot)  # padding rows: scratch slot, self only
 
     def _continues(self, batch) -> bool:
         """Whether every sequence's next position is in a block it already holds and it may go on."""

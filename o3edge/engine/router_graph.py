@@ -12,8 +12,6 @@ change block tables between steps.
 
 from __future__ import annotations
 
-import torch
-
 from o3edge.engine.cuda_graph import DecodeGraphs
 from o3edge.engine.decode_step import decode_forward
 
@@ -23,13 +21,11 @@ class RouterDecodeGraphs(DecodeGraphs):
 
     def __init__(self, runner, max_batch: int, capture: bool):
         super().__init__(runner, max_batch, capture, launch_ahead=False)
-        B, dev, width = self.batch_buckets[-1], runner.device, 5 + 2 * self.max_blocks
-        pinned = dev.type == "cuda"
-        self.meta = torch.zeros(B, width, dtype=torch.int32, device=dev)
-        self.meta_host = [torch.zeros(B, width, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
-        for m in self.meta_host:
-            m[:, 2] = runner.scratch_slot
-        self.meta.copy_(self.meta_host[0])
+
+    def meta_columns(self) -> int:
+        """token, position, slot, full-precision keys before the token, compressed blocks, then the
+        compacted full-precision table and the compressed table (max_blocks each)."""
+        return 5 + 2 * self.max_blocks
 
     def fits(self, batch) -> bool:
         return super().fits(batch) and not self.runner.router.observes(batch)
@@ -47,12 +43,9 @@ class RouterDecodeGraphs(DecodeGraphs):
         return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, self.splits[B],
                               self.fused, attention=self._attention)
 
-    def _launch(self, batch, B: int, ahead: int = 0, tokens: torch.Tensor | None = None):
-        assert ahead == 0 and tokens is None  # no launch ahead (see the module's docstring)
+    def fill_meta(self, meta, batch, B: int, ahead: int) -> None:
+        assert ahead == 0  # no launch ahead (see the module's docstring)
         bs, mb, nf = self.block_size, self.max_blocks, self.runner.router.num_full_blocks
-        host = self.meta_host[self.num_fills % 2]
-        self.num_fills += 1
-        meta = host.numpy()
         for b, (seq, _) in enumerate(batch):
             pos = seq.num_computed_tokens
             table = seq.block_table[:pos // bs + 1]
@@ -62,9 +55,3 @@ class RouterDecodeGraphs(DecodeGraphs):
             meta[b, 5:5 + len(full)] = full
             meta[b, 5 + mb:5 + mb + len(comp)] = comp
         meta[len(batch):B, :5] = (0, 0, self.runner.scratch_slot, 0, 0)  # padding rows: scratch slot, self only
-        self.meta[:B].copy_(host[:B], non_blocking=True)
-        if self.capture:
-            graph, logits, out = self.graphs[B]
-            graph.replay()
-            return logits, out
-        return self._forward(B)
