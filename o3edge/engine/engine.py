@@ -122,8 +122,7 @@ class LLMEngine:
             from o3edge.engine.router import full_blocks_in_budget
 
             num_blocks = full_blocks_in_budget(num_blocks, block_bytes, config.kv_router, args.num_layers,
-                                               args.num_kv_heads, args.head_dim, config.kv_block_size,
-                                               torch.tensor([], dtype=dtype).element_size())
+                                               args.num_kv_heads, args.head_dim, config.kv_block_size, dtype.itemsize)
         if onnx:
             self.runner = OrtRunner(model_dir, device, config.num_threads or default_num_threads(), config.seed)
         else:
@@ -147,9 +146,8 @@ class LLMEngine:
             from o3edge.engine.router import per_host
             from o3edge.engine.router_blocks import RouterBlocks
 
-            elem = torch.tensor([], dtype=dtype).element_size()
             self.blocks = RouterBlocks(num_blocks, config.kv_block_size, identity, prefix_reuse,
-                                       per_host(config.kv_router, args.head_dim, elem))
+                                       per_host(config.kv_router, args.head_dim, dtype.itemsize))
         self.offloader = self._cold_tier(config, identity, block_bytes) if prefix_reuse else None
         self.policy = config.policy  # replaced whole by set_policy (a reload)
         if config.kv_router != "off":
