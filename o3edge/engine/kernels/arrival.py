@@ -6,9 +6,10 @@ tile's counter; the one that arrives last (it sees every other partial: they wer
 counts) sums them, in a fixed order so the result does not depend on which program that was, and
 resets the counter. On the H200 this took the split-K sum kernels (1 us each) out of a decode step.
 
-Decode attention's key splits keep their merge kernel (1.8 us a layer). Tried on the H200: the last
-split merging its GQA group's heads one after another cost 11.5 us a layer; one split for contexts up
-to 256 keys (no merge at all) 7.8 us, its key tiles in series; the split kernel plus merge 5.4 us.
+Decode attention's key splits keep their merge kernel (1.8 us a layer). Tried on the H200 (tinyllama,
+batch 1, one device call each, so not the same machine): the last split merging its GQA group's heads
+one after another cost 11.5 us a layer; one split for contexts up to 256 keys (no merge at all)
+7.8 us, its key tiles in series; the split kernel plus merge 5.4 us (docs/results/gpu-2026-11-30b/).
 """
 
 from __future__ import annotations
