@@ -48,9 +48,13 @@ def layers(model: str) -> list[tuple[str, int, int, str]]:
             ("down", D, I, "silu"), ("lm_head", V, D, "norm")]
 
 
-def grid(M: int, int4: bool) -> list[tuple[int, int, int, int]]:
+def grid(M: int, int4: bool) -> list[tuple[int, ...]]:
+    """Tilings (BLOCK_N, BLOCK_K, splits, warps[, programs per SM: streamed, one row only])."""
     if M == 1:
-        return list(itertools.product((4, 8, 16), (512, 1024), (1, 2), (4, 8))) if int4 else []
+        if int4:
+            return (list(itertools.product((4, 8, 16), (512, 1024), (1, 2), (4, 8)))
+                    + list(itertools.product((4, 8, 16), (512, 1024), (1,), (4, 8), (2, 4, 8))))
+        return list(itertools.product((4, 8, 16), (1024, 2048), (1,), (4, 8), (4, 6, 8)))
     return list(itertools.product((16, 32, 64), (128, 256, 512), (1, 2), (4,))) if M <= MAX_ROWS else []
 
 
@@ -129,7 +133,7 @@ def jobs(models, rows, with_grid):
         for (name, N, K, pro), M, int4 in itertools.product(layers(model), rows, (False, True)):
             if (int4 and name not in ("gate_up", "down")) or (M > MAX_ROWS and not int4):
                 continue
-            configs = [None] + (grid(M, int4) if with_grid and model == models[0] else [])
+            configs = [None] + (grid(M, int4) if with_grid else [])
             out += [(model, name, N, K, pro, M, int4, c) for c in configs]
     return out
 
@@ -147,7 +151,7 @@ def compile_some(batch):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
-    ap.add_argument("--grid", action="store_true", help="also time a grid of tilings on the first model")
+    ap.add_argument("--grid", action="store_true", help="also time a grid of tilings")
     ap.add_argument("--shapes", default="tinyllama-1.1b,llama-1b")
     ap.add_argument("--rows", default="1,4,8,16,32,128")
     ap.add_argument("--procs", type=int, default=12)

@@ -80,6 +80,9 @@ def _run_wrappers() -> None:
         skinny_matmul(torch.zeros(M, 2 * K, dtype=h), w, silu=True)
         skinny_matmul(torch.zeros(M, 5632, dtype=h), torch.zeros(N, 5632, dtype=h))  # split K
         skinny_matmul(x, q, scales_and_zeros=sz.to(torch.bfloat16), group_size=64, out_features=N)
+    skinny_matmul(torch.zeros(1, 5632 * 2, dtype=h), torch.zeros(N, 5632, dtype=h), silu=True)  # one row: streamed
+    skinny_matmul(torch.zeros(1, K, dtype=h), q, scales_and_zeros=sz.to(torch.bfloat16), group_size=64,
+                  out_features=N, config=(16, 1024, 1, 4, 2))  # INT4 streamed (not planned: slower on the H200)
     dequantize(q, sz.to(torch.bfloat16), 64, K, h)
     H, KVH, HD, bs = 32, 4, 64, 16
     qkv = torch.zeros(2, (H + 2 * KVH) * HD, dtype=h)
@@ -103,7 +106,7 @@ def _run_wrappers() -> None:
 
 
 KERNELS = {
-    "o3edge.engine.kernels.gemv": ["_skinny_kernel"],
+    "o3edge.engine.kernels.gemv": ["_skinny_kernel", "_row_stream_kernel"],
     "o3edge.engine.kernels.decode_attention": ["_decode_attention_kernel", "_merge_splits_kernel"],
     "o3edge.engine.kernels.argmax": ["_chunk_argmax_kernel", "_pick_chunk_kernel"],
     "o3edge.engine.kernels.quant_attention": ["_router_decode_kernel"],

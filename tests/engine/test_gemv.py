@@ -34,7 +34,8 @@ def _close(out, ref, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 3, 16])
 @pytest.mark.parametrize("N,K", [(40, 96), (64, 1000), (136, 2048)])
-@pytest.mark.parametrize("config", [None, (8, 64, 4, 4)])  # planned, and a forced split-K
+# planned, split-K, and streamed (one row: sums deferred to the row block, or per tile)
+@pytest.mark.parametrize("config", [None, (8, 64, 4, 4), (8, 64, 1, 4, 1), (16, 512, 1, 1, 1)])
 def test_plain_matches_linear(dtype, M, N, K, config):
     g, x, w = _data(M, N, K, dtype, N + K)
     bias = torch.randn(N, generator=g).to(DEV, dtype)
@@ -45,13 +46,14 @@ def test_plain_matches_linear(dtype, M, N, K, config):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_norm_prologue_matches_add_rmsnorm_then_linear(dtype, M, with_residual):
+@pytest.mark.parametrize("config", [(16, 128, 2, 4), (8, 128, 1, 4, 1)])  # one row also streamed
+def test_norm_prologue_matches_add_rmsnorm_then_linear(dtype, M, with_residual, config):
     N, K = 72, 576
     g, x, w = _data(M, N, K, dtype, M)
     res = torch.randn(M, K, generator=g).to(DEV, dtype) if with_residual else None
     nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, dtype)
     res_before = None if res is None else res.clone()
-    out, new_res = skinny_matmul(x, w, norm_weight=nw, residual=res, eps=1e-5, config=(16, 128, 2, 4))
+    out, new_res = skinny_matmul(x, w, norm_weight=nw, residual=res, eps=1e-5, config=config)
     res_ref = None if res is None else res.clone()
     ref = F.linear(add_rmsnorm_reference(x, res_ref, nw, 1e-5).float(), w.float())
     _close(out, ref, dtype)
@@ -64,11 +66,12 @@ def test_norm_prologue_matches_add_rmsnorm_then_linear(dtype, M, with_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 4])
-def test_silu_prologue_matches_silu_mul_then_linear(dtype, M):
+@pytest.mark.parametrize("config", [None, (4, 128, 1, 4, 1)])  # planned, and (one row) streamed
+def test_silu_prologue_matches_silu_mul_then_linear(dtype, M, config):
     N, K = 48, 344  # an intermediate size that is no multiple of the tile
     g, gu, w = _data(M, N, K, dtype, K, x_cols=2 * K)
     ref = F.linear(silu_mul_reference(gu).float(), w.float())
-    _close(skinny_matmul(gu, w, silu=True), ref, dtype)
+    _close(skinny_matmul(gu, w, silu=True, config=config), ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16])
@@ -79,8 +82,10 @@ def test_int4_weights_match_the_dequantized_linear(dtype, M, K, group):
     g, x, w = _data(M, N, K, dtype, K + group)
     qw, sz = quantize_int4(w.float().cpu(), group)
     ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
-    out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
-    _close(out, ref, dtype)
+    for config in [None] + ([(8, 2 * group, 1, 4, 1)] if M == 1 else []):  # planned, and (one row) streamed
+        out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N,
+                            config=config)
+        _close(out, ref, dtype)
 
 
 def test_more_rows_than_a_decode_batch_are_refused():

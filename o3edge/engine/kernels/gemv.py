@@ -19,6 +19,8 @@ Weights are the model's own [N, K] dense matrix, or o3edge's device-neutral INT4
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -74,9 +76,9 @@ def _centered(n):
 
 
 @triton.jit
-def _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """INT4 rows rn, columns k0 .. k0+BLOCK_K (whole groups): the even and odd columns' (q - 8) as
-    [BLOCK_N, BLOCK_K // GROUP, GROUP // 2] float16, and each group's scale and zero [BLOCK_N, groups]."""
+def _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """INT4 rows rn, columns k0 .. k0+BLOCK_K (whole groups), as stored: the bytes [BLOCK_N, BLOCK_K // GROUP,
+    GROUP // 2] (even column in the high nibble) and each group's scale and zero [BLOCK_N, groups]."""
     NG: tl.constexpr = BLOCK_K // GROUP
     gi = tl.arange(0, NG)
     j = tl.arange(0, GROUP // 2)
@@ -86,21 +88,33 @@ def _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexp
                 other=0x88)
     sz = sz_ptr + ((k0 // GROUP + gi)[None, :] * N + rn[:, None]) * 2
     sz_mask = n_mask[:, None] & in_k[None, :]
-    scale = tl.load(sz, mask=sz_mask, other=0.0).to(tl.float32)
-    zero = tl.load(sz + 1, mask=sz_mask, other=0.0).to(tl.float32)
-    return _centered(q >> 4), _centered(q & 0xF), scale, zero
+    return q, tl.load(sz, mask=sz_mask, other=0.0), tl.load(sz + 1, mask=sz_mask, other=0.0)
+
+
+@triton.jit
+def _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_int4_raw's tile unpacked: the even and odd columns' (q - 8) as [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]
+    float16, and the scales and zeros as float32."""
+    q, scale, zero = _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
+    return _centered(q >> 4), _centered(q & 0xF), scale.to(tl.float32), zero.to(tl.float32)
+
+
+@triton.jit
+def _int4_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row x [1, BLOCK_K] against a stored INT4 tile (_int4_raw): sum_k x_k w_k = scale *
+    sum x (q - 8) + zero * sum x per group, so the inner loop is one multiply-add per weight. [BLOCK_N] float32."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    hi, lo = _centered(q >> 4), _centered(q & 0xF)
+    xe, xo = tl.split(tl.reshape(x.to(tl.float32), [NG, GROUP // 2, 2]))  # even and odd columns
+    part = tl.sum(hi.to(tl.float32) * xe[None, :, :] + lo.to(tl.float32) * xo[None, :, :], axis=2)  # [BN, NG]
+    xsum = tl.sum(xe + xo, axis=1)  # [NG]
+    return tl.sum(part * scale.to(tl.float32) + zero.to(tl.float32) * xsum[None, :], axis=1)
 
 
 @triton.jit
 def _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One activation row x [1, BLOCK_K] against an INT4 tile: sum_k x_k w_k = scale * sum x (q - 8)
-    + zero * sum x per group, so the inner loop is one multiply-add per weight. Returns [BLOCK_N] float32."""
-    NG: tl.constexpr = BLOCK_K // GROUP
-    hi, lo, scale, zero = _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
-    xe, xo = tl.split(tl.reshape(x.to(tl.float32), [NG, GROUP // 2, 2]))  # even and odd columns
-    part = tl.sum(hi.to(tl.float32) * xe[None, :, :] + lo.to(tl.float32) * xo[None, :, :], axis=2)  # [BN, NG]
-    xsum = tl.sum(xe + xo, axis=1)  # [NG]
-    return tl.sum(part * scale + zero * xsum[None, :], axis=1)
+    q, scale, zero = _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
+    return _int4_row_dot(x, q, scale, zero, GROUP, BLOCK_K)
 
 
 @triton.jit
@@ -169,22 +183,86 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
         tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, splits, num_warps) for an M x K by K x N skinny matmul.
+@triton.jit
+def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.constexpr,
+                       stride_x, stride_w, eps, PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, BLOCKS: tl.constexpr,
+                       DEFER: tl.constexpr, PDL: tl.constexpr):
+    """One activation row, a few programs per SM: each streams the row blocks pid, pid + programs, ...
+    tile after tile, the next weight tile's load issued before the current tile is used. The prologue's
+    statistics are computed once per program, not once per row block, and the first tile is in flight
+    before the wait for the previous kernel (weights are no kernel's output). DEFER: dense products
+    are summed across threads once per row block instead of once per tile."""
+    pdl.launch_next(PDL)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    dtype = x_ptr.dtype.element_ty
+    rm = tl.arange(0, 1)
+    m_mask = rm < 1
+    rows = tl.arange(0, BLOCK_N)
+    rn = pid * BLOCK_N + rows
+    if INT4:  # stored bytes in flight; unpacked only when used
+        q_next, s_next, z_next = _int4_raw(w_ptr, sz_ptr, rn, rn < N, 0, K, N, stride_w, GROUP, BLOCK_K)
+    else:
+        w_next = weight_tile(w_ptr, None, rn, rn < N, 0, K, N, stride_w, False, 1, BLOCK_K, dtype)
+    pdl.wait_for_previous(PDL)
+    rstd = tl.zeros([1], tl.float32)
+    if PRO == 1:
+        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, rm, m_mask, K, stride_x, eps, pid == 0, 1, BLOCK_K, dtype)
+    for b in range(BLOCKS):
+        rn = (pid + b * programs) * BLOCK_N + rows
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for kt in tl.static_range(K_TILES):
+            if kt + 1 < K_TILES:  # the next tile: this block's next columns, or the next block's first
+                rn2, k2 = rn, (kt + 1) * BLOCK_K
+            else:
+                rn2, k2 = rn + programs * BLOCK_N, 0
+            x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kt * BLOCK_K + tl.arange(0, BLOCK_K), K, stride_x,
+                            rstd, PRO, dtype)
+            if INT4:
+                q, sc, zr = q_next, s_next, z_next
+                q_next, s_next, z_next = _int4_raw(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP, BLOCK_K)
+                acc += _int4_row_dot(x, q, sc, zr, GROUP, BLOCK_K)
+            else:
+                w = w_next
+                w_next = weight_tile(w_ptr, None, rn2, rn2 < N, k2, K, N, stride_w, False, 1, BLOCK_K, dtype)
+                if DEFER:
+                    acc2 += w.to(tl.float32) * x.to(tl.float32)
+                else:
+                    acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
+        if DEFER and not INT4:
+            acc = tl.sum(acc2, axis=1)
+        if bias_ptr is not None:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
 
-    At one row: wide K tiles (1024 columns) over thin row slices, so each SM has many weight bytes in
-    flight; long rows (K >= 4096) split K in two. The best tilings of an H200 grid search
-    (tools/bench_gemv.py --grid, docs/results/gpu-2026-11-30/gemv-grid*.json), as rules by shape."""
+
+def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, splits, num_warps[, programs per SM]) for an M x K by K x N skinny matmul; a
+    fifth entry streams one row (_row_stream_kernel) on that many programs per SM.
+
+    At one row: wide K tiles (1,024-2,048 columns) over thin row slices, so each SM has many weight bytes
+    in flight; dense weights stream on 6-8 programs per SM. The best tilings of H200 grid searches
+    (tools/bench_gemv.py --grid: docs/results/gpu-2026-11-30/gemv-grid*.json, then
+    docs/results/gpu-2026-12-01/gemv-grid-stream*.json), as rules by shape. O3EDGE_GEMV_STREAM=0 turns
+    streaming off (to measure against)."""
     if M > 1 and int4:  # the down projection (few rows of output, long rows) splits K in two
         wide, long = N >= 8192, K >= 4096
         if M >= 32:
             return (64, 128, 2, 4) if wide else (16, 512, 2, 4)
         return (32, 256, 1, 4) if wide else (32, 512 if long else 256, 2, 4)
-    block_k = min(1024 if M == 1 else 256, triton.next_power_of_2(K))
     if M > 1:
-        return 32, block_k, 1, 4
+        return 32, min(256, triton.next_power_of_2(K)), 1, 4
+    if not int4 and os.environ.get("O3EDGE_GEMV_STREAM") != "0":  # whole 2,048-column tiles where they fit
+        if K >= 4096:  # the down projection
+            return (8, 2048, 1, 8, 6) if K % 2048 == 0 else (4, 1024, 1, 4, 8)
+        block_k = min(2048, triton.next_power_of_2(K))
+        if N <= K:  # the output projection
+            return 4, block_k, 1, 4, 6
+        return (8, block_k, 1, 8, 6) if N < 2 * K else (8, block_k, 1, 4, 6)  # QKV; gate/up and LM head
+    block_k = min(1024, triton.next_power_of_2(K))
     if K >= 4096:
-        return (8, block_k, 2, 4) if int4 else (16, block_k, 2, 8)
+        return (16, block_k, 2, 8)
     if N >= 8192:
         return (16, block_k, 1, 4) if int4 else (8, block_k, 1, 4)
     return 4, block_k, 1, 8
@@ -193,7 +271,7 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, int, in
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: torch.Tensor | None = None,
                   group_size: int = 0, out_features: int | None = None, bias: torch.Tensor | None = None,
                   norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
-                  silu: bool = False, config: tuple[int, int, int, int] | None = None):
+                  silu: bool = False, config: tuple[int, ...] | None = None):
     """y = prologue(x) @ W.T (+ bias) for x [M <= MAX_ROWS, *].
 
     - plain: x [M, K];
@@ -211,20 +289,31 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} contiguous rows, got {tuple(x.shape)}")
     from o3edge.engine.kernels import num_sms
 
-    block_n, block_k, splits, warps = config or plan(M, N, K, int4, num_sms(str(x.device)))
+    sms = num_sms(str(x.device))
+    block_n, block_k, splits, warps, *streamed = config or plan(M, N, K, int4, sms)
     if INTERPRET and config is None:  # Triton's interpreter (CPU tests): fewer, wider programs run faster
         block_n = max(block_n, min(64, triton.next_power_of_2(N)))
     if int4:
         block_k = max(block_k, group_size)
-    k_per_split = -(-K // (splits * block_k)) * block_k
-    iters = k_per_split // block_k
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(N, block_n), splits)
-    part = out if splits == 1 else torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
-    count = out if splits == 1 else arrival_counters(x.device, grid[0])
     pro = PRO_NORM if norm_weight is not None else PRO_SILU if silu else PRO_NONE
     res_out = torch.empty_like(x) if pro == PRO_NORM and residual is not None else None
     on = pdl.enabled(str(x.device))
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if streamed and streamed[0] and M == 1:
+        blocks = triton.cdiv(N, block_n)
+        programs = min(blocks, sms * streamed[0])
+        _row_stream_kernel[(programs,)](
+            x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, out, N, K, x.stride(0),
+            weight.stride(0), eps, PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_N=block_n, BLOCK_K=block_k,
+            K_TILES=triton.cdiv(K, block_k), BLOCKS=triton.cdiv(blocks, programs),
+            DEFER=block_n * block_k <= 32 * 32 * warps,  # at most 32 float32 partial sums a thread
+            PDL=on, num_warps=warps, **pdl.launch_options(on))
+        return (out, x if residual is None else res_out) if pro == PRO_NORM else out
+    k_per_split = -(-K // (splits * block_k)) * block_k
+    iters = k_per_split // block_k
+    grid = (triton.cdiv(N, block_n), splits)
+    part = out if splits == 1 else torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
+    count = out if splits == 1 else arrival_counters(x.device, grid[0])
     _skinny_kernel[grid](
         x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, out, part, count,
         M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
@@ -232,6 +321,4 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
         PDL=on, num_warps=warps,
         **pdl.launch_options(on))
-    if pro == PRO_NORM:
-        return out, (x if residual is None else res_out)
-    return out
+    return (out, x if residual is None else res_out) if pro == PRO_NORM else out
