@@ -10,7 +10,8 @@ and reports microseconds per call and weight GB/s. Each timing replays a CUDA gr
 over enough distinct weight copies (>= 512 MB) that nothing is served from L2, as in a real step where
 the whole model streams by. Compiles run first in parallel processes (Triton's disk cache).
 
-  python tools/bench_gemv.py [--json OUT] [--grid] [--shapes tinyllama-1.1b,llama-1b]
+  python tools/bench_gemv.py [--json OUT] [--grid] [--shapes tinyllama-1.1b,llama-1b] [--rows 1,8]
+                             [--layers gate_up,down] [--weights dense|int4|both]
 """
 
 from __future__ import annotations
@@ -126,12 +127,12 @@ def time_graph(fn, weights, reps: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / (reps * len(weights))
 
 
-def jobs(models, rows, with_grid):
+def jobs(models, rows, with_grid, only=None, kinds=(False, True)):
     """Every (model, layer, M, int4, config) to time; config None = planned tiling."""
     out = []
     for model in models:
-        for (name, N, K, pro), M, int4 in itertools.product(layers(model), rows, (False, True)):
-            if (int4 and name not in ("gate_up", "down")) or (M > MAX_ROWS and not int4):
+        for (name, N, K, pro), M, int4 in itertools.product(layers(model), rows, kinds):
+            if (int4 and name not in ("gate_up", "down")) or (M > MAX_ROWS and not int4) or (only and name not in only):
                 continue
             configs = [None] + (grid(M, int4) if with_grid else [])
             out += [(model, name, N, K, pro, M, int4, c) for c in configs]
@@ -154,10 +155,13 @@ def main():
     ap.add_argument("--grid", action="store_true", help="also time a grid of tilings")
     ap.add_argument("--shapes", default="tinyllama-1.1b,llama-1b")
     ap.add_argument("--rows", default="1,4,8,16,32,128")
+    ap.add_argument("--layers", help="only these layers (e.g. gate_up,down)")
+    ap.add_argument("--weights", choices=("dense", "int4", "both"), default="both")
     ap.add_argument("--procs", type=int, default=12)
     a = ap.parse_args()
     models, rows = a.shapes.split(","), [int(r) for r in a.rows.split(",")]
-    todo = jobs(models, rows, a.grid)
+    kinds = {"dense": (False,), "int4": (True,), "both": (False, True)}[a.weights]
+    todo = jobs(models, rows, a.grid, a.layers and a.layers.split(","), kinds)
     t0 = time.time()
     with mp.get_context("spawn").Pool(a.procs) as pool:  # compile in parallel into the disk cache
         pool.map(compile_some, [todo[i::a.procs] for i in range(a.procs)])

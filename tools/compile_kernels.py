@@ -83,6 +83,8 @@ def _run_wrappers() -> None:
     skinny_matmul(torch.zeros(1, 5632 * 2, dtype=h), torch.zeros(N, 5632, dtype=h), silu=True)  # one row: streamed
     skinny_matmul(torch.zeros(1, K, dtype=h), q, scales_and_zeros=sz.to(torch.bfloat16), group_size=64,
                   out_features=N, config=(16, 1024, 1, 4, 2))  # INT4 streamed (not planned: slower on the H200)
+    skinny_matmul(torch.zeros(1, K, dtype=torch.bfloat16), q, scales_and_zeros=sz.to(torch.bfloat16), group_size=64,
+                  out_features=N)  # INT4 one row, bfloat16 (the packed dot's other instruction set)
     dequantize(q, sz.to(torch.bfloat16), 64, K, h)
     H, KVH, HD, bs = 32, 4, 64, 16
     qkv = torch.zeros(2, (H + 2 * KVH) * HD, dtype=h)
@@ -122,8 +124,11 @@ def compile_all(pdl: bool = True, arch: int = 90) -> list:
 
     from o3edge.engine.kernels import pdl as pdl_module
 
+    from o3edge.engine.kernels import gemv
+
     launches = Launches(GPUTarget("cuda", arch, 32))
     enabled, pdl_module.enabled = pdl_module.enabled, lambda device: pdl  # as on a GPU of that generation
+    packed, gemv.packed_int4 = gemv.packed_int4, lambda x: x.dtype in (torch.float16, torch.bfloat16)
     saved = []
     for mod_name, names in KERNELS.items():
         mod = importlib.import_module(mod_name)
@@ -134,6 +139,7 @@ def compile_all(pdl: bool = True, arch: int = 90) -> list:
         for mod, n, kernel in saved:
             setattr(mod, n, kernel)
         pdl_module.enabled = enabled
+        gemv.packed_int4 = packed
     return launches.compiled
 
 

@@ -111,17 +111,174 @@ def _int4_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr)
     return tl.sum(part * scale.to(tl.float32) + zero.to(tl.float32) * xsum[None, :], axis=1)
 
 
+# Eight INT4 weights (one 32-bit word: bytes of column pairs, even column in the high nibble) times eight
+# activations (four words of two halves, even column in the low half), summed: per byte, a byte permute
+# puts the two nibbles in the two halves, one logic op makes them the halves 1024 + q (bf16: 128 + q),
+# a packed subtract centers them, a packed multiply takes the products; the four product pairs are
+# added as pairs, then as float32. Three instructions a weight instead of seven (nibble to float32,
+# center, multiply-add).
+_PACKED_DOT = """{
+.reg .b32 hi, d, w, s, p, c;
+.reg .b16 h0, h1;
+.reg .f32 f0, f1;
+mov.b32 c, CENTER;
+shr.u32 hi, $1, 4;
+prmt.b32 d, hi, $1, 0x0400;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+mul.TYPE s, w, $2;
+prmt.b32 d, hi, $1, 0x0501;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+mul.TYPE p, w, $3;
+add.TYPE s, s, p;
+prmt.b32 d, hi, $1, 0x0602;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+mul.TYPE p, w, $4;
+add.TYPE s, s, p;
+prmt.b32 d, hi, $1, 0x0703;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+mul.TYPE p, w, $5;
+add.TYPE s, s, p;
+mov.b32 {h0, h1}, s;
+cvt.f32.HALF f0, h0;
+cvt.f32.HALF f1, h1;
+add.f32 $0, f0, f1;
+}"""
+PACKED_DOT_F16 = tl.constexpr(_PACKED_DOT.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
+                              .replace("TYPE", "f16x2").replace("HALF", "f16"))
+PACKED_DOT_BF16 = tl.constexpr(_PACKED_DOT.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
+                               .replace(".TYPE", ".rn.bf16x2").replace("HALF", "bf16"))
+
+
 @triton.jit
-def _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+def _pairs(x, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """Activations [1, BLOCK_K] (float16 or bfloat16) as four int32 words of two halves per eight columns:
+    each [BLOCK_K // GROUP, GROUP // 8], word j of columns 8i .. 8i+7 holding columns 8i+2j (low) and 8i+2j+1."""
+    bits = tl.reshape(x, [BLOCK_K]).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    even, odd = tl.split(tl.reshape(bits, [BLOCK_K // 2, 2]))
+    words = tl.reshape(even | (odd << 16), [BLOCK_K // GROUP, GROUP // 8, 2, 2])  # word j = 2a + b at [.., a, b]
+    j02, j13 = tl.split(words)
+    j0, j2 = tl.split(j02)
+    j1, j3 = tl.split(j13)
+    return j0, j1, j2, j3
+
+
+@triton.jit
+def _int4_words(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_int4_raw's tile as 32-bit words (eight columns each): [BLOCK_N, BLOCK_K // GROUP, GROUP // 8] int32,
+    with the scales and zeros as stored."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    gi = tl.arange(0, NG)
+    j = tl.arange(0, GROUP // 8)
+    in_k = k0 + gi * GROUP < K
+    col = (k0 // 8 + gi * (GROUP // 8))[None, :, None] + j[None, None, :]
+    q = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rn[:, None, None] * (stride_w // 4) + col,
+                mask=n_mask[:, None, None] & in_k[None, :, None], other=-2004318072)  # 0x88888888: all 8
+    sz = sz_ptr + ((k0 // GROUP + gi)[None, :] * N + rn[:, None]) * 2
+    sz_mask = n_mask[:, None] & in_k[None, :]
+    return q, tl.load(sz, mask=sz_mask, other=0.0), tl.load(sz + 1, mask=sz_mask, other=0.0)
+
+
+# Eight INT4 weights (one word) dequantized into four words of two halves, (q - 8) * scale + zero: the
+# same permute and logic op as _PACKED_DOT, then a packed subtract and a packed fused multiply-add.
+_PACKED_DEQUANT = """{
+.reg .b32 hi, d, w, c;
+mov.b32 c, CENTER;
+shr.u32 hi, $4, 4;
+prmt.b32 d, hi, $4, 0x0400;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+fma.rn.TYPE $0, w, $5, $6;
+prmt.b32 d, hi, $4, 0x0501;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+fma.rn.TYPE $1, w, $5, $6;
+prmt.b32 d, hi, $4, 0x0602;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+fma.rn.TYPE $2, w, $5, $6;
+prmt.b32 d, hi, $4, 0x0703;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+fma.rn.TYPE $3, w, $5, $6;
+}"""
+PACKED_DEQUANT_F16 = tl.constexpr(_PACKED_DEQUANT.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
+                                  .replace("TYPE", "f16x2"))
+PACKED_DEQUANT_BF16 = tl.constexpr(_PACKED_DEQUANT.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
+                                   .replace("fma.rn.TYPE", "fma.rn.bf16x2").replace(".TYPE", ".rn.bf16x2"))
+
+
+@triton.jit
+def _twice(v, dtype: tl.constexpr):
+    """Values [..] as int32 words holding the value in dtype in both halves."""
+    bits = v.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@triton.jit
+def _halves(word, dtype: tl.constexpr):
+    """The low and high halves of int32 words, as dtype."""
+    return (word.to(tl.int16).to(dtype, bitcast=True), (word >> 16).to(tl.int16).to(dtype, bitcast=True))
+
+
+@triton.jit
+def _int4_packed_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                      dtype: tl.constexpr):
+    """weight_tile for INT4 on the GPU's packed half-precision instructions (PACKED_DEQUANT_*)."""
+    q, scale, zero = _int4_words(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
+    args = [q, _twice(scale, dtype)[:, :, None], _twice(zero, dtype)[:, :, None]]
+    if dtype == tl.bfloat16:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(PACKED_DEQUANT_BF16, "=r,=r,=r,=r,r,r,r", args,
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(PACKED_DEQUANT_F16, "=r,=r,=r,=r,r,r,r", args,
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    a0, b0 = _halves(o0, dtype)  # columns 8j + 2k (a) and 8j + 2k + 1 (b) of word o_k
+    a1, b1 = _halves(o1, dtype)
+    a2, b2 = _halves(o2, dtype)
+    a3, b3 = _halves(o3, dtype)
+    # column 8j + c, c = 4 k1 + 2 k0 + h: join the slowest index first (join adds the new, fastest axis)
+    w = tl.join(tl.join(tl.join(a0, a2), tl.join(a1, a3)), tl.join(tl.join(b0, b2), tl.join(b1, b3)))
+    return tl.reshape(w, [q.shape[0], BLOCK_K])
+
+
+@triton.jit
+def _int4_packed_row_dot(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """_int4_row_dot on the GPU's packed half-precision instructions (PACKED_DOT_*): [BLOCK_N] float32."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    q, scale, zero = _int4_words(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
+    scale, zero = scale.to(tl.float32), zero.to(tl.float32)
+    w0, w1, w2, w3 = _pairs(x, BLOCK_K, GROUP)
+    args = [q, w0[None], w1[None], w2[None], w3[None]]
+    if x.dtype == tl.bfloat16:
+        part = tl.inline_asm_elementwise(PACKED_DOT_BF16, "=r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        part = tl.inline_asm_elementwise(PACKED_DOT_F16, "=r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True, pack=1)
+    part = tl.sum(part, axis=2)  # [BN, NG]
+    xsum = tl.sum(tl.reshape(x.to(tl.float32), [NG, GROUP]), axis=1)
+    return tl.sum(part * scale + zero * xsum[None, :], axis=1)
+
+
+@triton.jit
+def _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PACKED: tl.constexpr):
+    if PACKED:
+        return _int4_packed_row_dot(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
     q, scale, zero = _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
     return _int4_row_dot(x, q, scale, zero, GROUP, BLOCK_K)
 
 
 @triton.jit
 def weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+                 BLOCK_K: tl.constexpr, dtype: tl.constexpr, PACKED: tl.constexpr = False):
     """Weight rows rn, columns k0 .. k0+BLOCK_K, as [BLOCK_N, BLOCK_K] in the model dtype."""
-    if INT4:
+    if INT4 and PACKED:
+        w = _int4_packed_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, dtype)
+    elif INT4:
         hi, lo, scale, zero = _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
         hi = hi.to(tl.float32) * scale[:, :, None] + zero[:, :, None]
         lo = lo.to(tl.float32) * scale[:, :, None] + zero[:, :, None]
@@ -138,7 +295,7 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
                    M, N, K: tl.constexpr, stride_x, stride_w, stride_out, stride_split, eps, K_PER_SPLIT,
                    PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr,
-                   SPLITS: tl.constexpr, PDL: tl.constexpr):
+                   SPLITS: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr = False):
     pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -159,9 +316,9 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
         kk = k0 + tl.arange(0, BLOCK_K)
         x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kk, K, stride_x, rstd, PRO, dtype)
         if BLOCK_M == 1 and INT4:
-            acc1 += _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
+            acc1 += _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
         else:
-            w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype)
+            w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype, PACKED)
             if BLOCK_M == 1:
                 acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
             elif IEEE:
@@ -235,6 +392,14 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
         if bias_ptr is not None:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+def packed_int4(x: torch.Tensor) -> bool:
+    """Whether INT4 tiles are unpacked with packed half-precision instructions (one row: PACKED_DOT_*, more
+    rows: PACKED_DEQUANT_*): on a CUDA GPU, for float16 and bfloat16 activations, unless
+    O3EDGE_INT4_PACKED=0; the interpreter takes the float32 path."""
+    return (x.is_cuda and not INTERPRET and x.dtype in (torch.float16, torch.bfloat16)
+            and os.environ.get("O3EDGE_INT4_PACKED") != "0")
 
 
 def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, ...]:
@@ -319,6 +484,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=on, num_warps=warps,
+        PDL=on, PACKED=packed_int4(x) and int4, num_warps=warps,
         **pdl.launch_options(on))
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
