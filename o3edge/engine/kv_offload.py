@@ -138,7 +138,7 @@ class CudaCopier:
         self.slabs: list[torch.Tensor | None] = [None] * tier.num_slots
         # restores whose copies may still run: (start event, end event, slots), oldest first
         self.restores: deque[tuple[torch.cuda.Event, torch.cuda.Event, list[int]]] = deque()
-        self.counts = {"cold_restore_copy_seconds": 0.0, "cold_restore_copied_blocks": 0}
+        self.counts = {"cold_restore_copy_seconds": 0.0, "cold_restore_copied_blocks": 0, "cold_restore_copies": 0}
 
     def slab(self, slot: int) -> torch.Tensor:
         view = self.slabs[slot]
@@ -194,11 +194,14 @@ class CudaCopier:
 
     def load(self, block_ids: list[int], slots: list[int]) -> None:
         """Queue verified slabs' host-to-device copies into the staging buffer on the restore stream,
-        so that they run alongside whatever the compute stream still has queued (the host goes on)."""
+        so that they run alongside whatever the compute stream still has queued (the host goes on).
+        In slot order: a chain offloaded tail first sits in descending slots, one copy all the same."""
+        block_ids, slots = by_slot(block_ids, slots)
         base = len(self._ids)
         with torch.cuda.stream(self.restore_stream):
             for i, n in _runs(slots):
                 self._staged[base + i:base + i + n].copy_(self.slabs_from(slots[i], n), non_blocking=True)
+                self.counts["cold_restore_copies"] += 1
         self._ids += block_ids
 
     def loaded(self, slots: list[int]) -> None:
@@ -232,6 +235,12 @@ class CudaCopier:
         if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
         self.arena = self.slabs = None
+
+
+def by_slot(block_ids: list[int], slots: list[int]) -> tuple[list[int], list[int]]:
+    """(block ids, slots) reordered by slot, so that slabs next to each other in the arena are one copy."""
+    pairs = sorted(zip(slots, block_ids))
+    return [b for _, b in pairs], [s for s, _ in pairs]
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int]]:
