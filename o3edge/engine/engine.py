@@ -289,13 +289,18 @@ class LLMEngine:
         if not batch:
             return outputs, None
         t0 = time.monotonic_ns()
+        kv_ready = None
         for seq, _ in batch:
-            if seq.cold_pending:
+            if seq.cold_pending:  # the copies start now; the runner waits for them right before its forward
                 self.blocks.restored(seq, self._restore(seq))
+                kv_ready = self.offloader.ready
         try:
-            tokens = self.runner.run(batch)
+            tokens = self.runner.run(batch, kv_ready) if kv_ready else self.runner.run(batch)
         except Exception as exc:
             return outputs + self._step_failed(batch, exc), None
+        finally:
+            if kv_ready is not None:
+                kv_ready()  # a run that failed before its forward: the copies still land before any reuse
         self.num_failed_steps = 0
         report = StepReport(t0, time.monotonic_ns())
         now = time.monotonic()

@@ -236,6 +236,25 @@ def test_a_chain_stored_tail_first_is_restored_in_one_run():
     assert (ids, slots) == ([43, 42, 41, 40], [9, 10, 11, 12]) and _runs(slots) == [(0, 4)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_slow_restore_copy_lands_before_the_step_reads_its_blocks(tiny_dir, shm, expected, device):
+    """A cold hit's copies run while the engine prepares the step (CPU: on a thread; CUDA: on the
+    restore stream), and the step's first kernel waits for them (CPU: the thread; CUDA: an event, on
+    the device): with every copy held back, the cold hit still gives the hot hit's tokens (a forward
+    that read its blocks early would attend over stale K/V)."""
+    (prompt, _), _ = expected
+    m = load(tiny_dir, device, num_kv_blocks=11, cold_tier_mb=8, cold_tier_dir=shm)
+    generate(m, prompt)
+    hot = generate(m, prompt)  # the suffix over the cached prefix, as the cold hit computes it
+    assert hot.cached_tokens > 0
+    evict_hot(m, expected)
+    m.engine.offloader.copier.copy_delay_s = 0.5
+    cold = generate(m, prompt)
+    assert cold.token_ids == hot.token_ids and cold.cached_tokens == hot.cached_tokens
+    assert m.engine.stats()["cold_restored_blocks"] == hot.cached_tokens // 16
+    m.engine.close()
+
+
 @pytest.mark.gpu
 def test_gpu_cold_hit_copies_a_chain_in_one_copy(tiny_dir, shm, expected):
     (prompt, _), (want, _) = expected
