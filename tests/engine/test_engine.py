@@ -171,8 +171,9 @@ def test_bad_requests_get_coded_errors(tiny_dir):
                 dict(seed=-1), dict(stop=("",))):
         with pytest.raises(InvalidRequest):
             SamplingParams(**bad)
-    with pytest.raises(InvalidRequest):
-        e.add_request("b", [e.info.args.vocab_size], GREEDY)
+    for bad in ([e.info.args.vocab_size], [1, -1], [1, 2.0], [1, "2"], [None]):
+        with pytest.raises(InvalidRequest):
+            e.add_request("b", bad, GREEDY)
     e.add_request("c", [1, 2], GREEDY)
     with pytest.raises(InvalidRequest):
         e.add_request("c", [1, 2], GREEDY)
