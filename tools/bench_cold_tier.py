@@ -14,8 +14,11 @@ find the same blocks and compute the same tokens, and `cold_token_equals_hot` sa
 first tokens came out the same. TTFT is add_request -> first token out of engine.step() (on CUDA,
 step() returns after the token is on the host); the cases are interleaved per repetition,
 and medians are reported (all values are in the JSON). "restore ms" is the engine thread's time in
-the restore (acquire, verify if needed, queue the copies); "copy ms" is the copies' device time
-on CUDA (from events), and the restore GB/s comes from it (on CPU: from the host time). The hot
+the restore (acquire, verify if needed, start the copies); "copy ms" is the copies' own time: on
+CUDA their device time (events around the host-to-device copies), on CPU the copy thread's time; the
+restore GB/s comes from it. `hot_phases_ms` and `cold_phases_ms` split the hot and cold TTFTs into
+the engine thread's time in add_request, schedule, restore, the runner (host preparation, the wait
+for restored blocks, the device's work and the token's way to the host) and the rest. The hot
 cache is emptied between the cold runs by forgetting its names (`drop_hot_cache`), which is what
 LRU eviction does once the offload has finished.
 
@@ -61,9 +64,35 @@ ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)
 SUFFIX = 16
 
 
-def ttft(engine: LLMEngine, ids: list[int]) -> tuple[float, int]:
-    """(seconds from add_request to the first token, that token), with the engine otherwise idle."""
+class Phases:
+    """The engine thread's time in the parts of a request's way to its first token, by wrapping the
+    engine's own methods: add_request, schedule (admission: prefix and cold-tier lookups, block
+    tables), restore (pinning, verifying, starting the copies), run (the runner: host preparation, the
+    wait for restored blocks, the device's work and the token's way back to the host). "other" is the
+    rest of the TTFT (the step's own bookkeeping, the detokenizer)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.seconds: dict[str, float] = {}
+        for name, owner, attr in (("add_request", engine, "add_request"), ("schedule", engine.scheduler, "schedule"),
+                                  ("restore", engine, "_restore"), ("run", engine.runner, "run")):
+            setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+
+    def _timed(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+
+def ttft(engine: LLMEngine, ids: list[int], phases: Phases | None = None) -> tuple[float, int, dict]:
+    """(seconds from add_request to the first token, that token, seconds in each phase), with the
+    engine otherwise idle."""
     rid = uuid.uuid4().hex
+    if phases is not None:
+        phases.seconds.clear()
     t0 = time.perf_counter()
     engine.add_request(rid, ids, ONE)
     while True:
@@ -72,9 +101,12 @@ def ttft(engine: LLMEngine, ids: list[int]) -> tuple[float, int]:
         if out is not None:
             elapsed = time.perf_counter() - t0
             break
+    parts = dict(phases.seconds) if phases is not None else {}
+    if parts:
+        parts["other"] = elapsed - sum(parts.values())
     while engine.has_unfinished_requests():
         engine.step()
-    return elapsed, out.token_ids[0]
+    return elapsed, out.token_ids[0], parts
 
 
 def drop_hot_cache(engine: LLMEngine) -> None:
@@ -93,7 +125,7 @@ def restore_counts(engine: LLMEngine) -> tuple[float, float, int]:
     return c["cold_restore_seconds"], c.get("cold_restore_copy_seconds", 0.0), c["cold_restored_blocks"]
 
 
-def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab: int) -> dict:
+def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab: int, phases: Phases) -> dict:
     """TTFTs of the three cases, interleaved per repetition so that a busy machine slows all three alike."""
     rand = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
     prefix = rand(length)
@@ -103,20 +135,22 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
     drop_hot_cache(engine)
     ttft(engine, prefix + rand(SUFFIX))  # and a first restore
     times = {"recompute": [], "hot": [], "cold": [], "cold_verified": [], "restore": [], "restore_copy": []}
-    cold_tokens, same_token = [], []
+    cold_tokens, same_token, parts = [], [], {"hot": [], "cold": []}
     for _ in range(reps):
         engine.offloader.drain()  # each case starts with no offload running (on a CPU it shares the cores)
         times["recompute"].append(ttft(engine, rand(length + SUFFIX))[0])
         suffix = rand(SUFFIX)
         ttft(engine, prefix + suffix)  # names every full block of this request, the suffix's too
         engine.offloader.drain()
-        hot_s, hot_token = ttft(engine, prefix + suffix)
+        hot_s, hot_token, hot_parts = ttft(engine, prefix + suffix, phases)
         times["hot"].append(hot_s)
+        parts["hot"].append(hot_parts)
         engine.offloader.drain()
         drop_hot_cache(engine)
         before, host_s, copy_s, _ = engine.blocks.num_cold_hit_tokens, *restore_counts(engine)
-        cold_s, cold_token = ttft(engine, prefix + suffix)  # the same request: the same first token
+        cold_s, cold_token, cold_parts = ttft(engine, prefix + suffix, phases)  # the same request and token
         times["cold"].append(cold_s)
+        parts["cold"].append(cold_parts)
         after = restore_counts(engine)
         times["restore"].append(after[0] - host_s)
         times["restore_copy"].append(after[1] - copy_s)
@@ -126,7 +160,7 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
         engine.offloader.drain()
         drop_hot_cache(engine)
         engine.offloader.tier.checked.clear()
-        verified_s, verified_token = ttft(engine, prefix + suffix)
+        verified_s, verified_token, _ = ttft(engine, prefix + suffix)
         times["cold_verified"].append(verified_s)
         same_token.append(verified_token == hot_token)
     ms = lambda x: round(x * 1000, 3)  # noqa: E731
@@ -135,6 +169,8 @@ def measure(engine: LLMEngine, length: int, reps: int, rng: random.Random, vocab
         row[f"{case}_ms"] = ms(statistics.median(xs))
         row[f"{case}_min_ms"] = ms(min(xs))
         row[f"{case}_all_ms"] = [ms(x) for x in xs]
+    for case, runs in parts.items():  # engine-thread time by phase, medians over the repetitions
+        row[f"{case}_phases_ms"] = {k: ms(statistics.median(p.get(k, 0.0) for p in runs)) for k in runs[0]}
     row["cold_over_recompute"] = round(row["cold_ms"] / row["recompute_ms"], 3)
     row["hot_over_recompute"] = round(row["hot_ms"] / row["recompute_ms"], 3)
     row["cold_verified_over_recompute"] = round(row["cold_verified_ms"] / row["recompute_ms"], 3)
@@ -288,17 +324,19 @@ def main() -> None:
         # the CPU pool's pages are mapped on first write: touch them all now, as a long-running daemon's
         # are (else whichever case first writes a block pays its page faults: ~0.3 GB/s here)
         engine.runner.kv_cache.view(-1)[::1024].zero_()
-    rng, rows = random.Random(0), []
+    rng, rows, phases = random.Random(0), [], Phases(engine)
     print(f"{'prefix':>7} {'recompute ms':>13} {'hot ms':>8} {'cold ms':>8} {'cold/recompute':>15} "
           f"{'hot/recompute':>14} {'restore ms':>11} {'copy ms':>8} {'GB/s':>6} {'verified ms':>12} same-token")
     for length in lengths:
-        row = measure(engine, length, a.reps, rng, engine.info.args.vocab_size)
+        row = measure(engine, length, a.reps, rng, engine.info.args.vocab_size, phases)
         rows.append(row)
         print(f"{length:>7} {row['recompute_ms']:>13.1f} {row['hot_ms']:>8.2f} {row['cold_ms']:>8.2f} "
               f"{row['cold_over_recompute']:>15.3f} {row['hot_over_recompute']:>14.3f} {row['restore_ms']:>11.2f} "
               f"{row['restore_copy_ms']:>8.2f} {row['restore_gb_per_s'] or 0:>6.1f} {row['cold_verified_ms']:>12.2f} "
               f"{row['cold_token_equals_hot']}",
               flush=True)
+        for case in ("hot", "cold"):
+            print(f"{'':>7} {case} phases (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in row[f"{case}_phases_ms"].items()))
     decode = None
     if a.decode_batch:
         decode = decode_overhead(engine, a.decode_batch, a.offload_blocks, rng, engine.info.args.vocab_size)

@@ -75,15 +75,22 @@ class BlockManager:
         """Cached blocks that cover a prefix of seq; at least one token is always left to compute."""
         if not self.prefix_caching:
             return []
-        bs, hits, parent = self.block_size, [], self.root
-        for i in range((len(seq) - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            parent = chain_hash(parent, tokens)
-            block_id = self.cached.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+        bs, hits, ids, n = self.block_size, [], seq.token_ids, (len(seq) - 1) // self.block_size
+        for i, h in enumerate(self.chain(seq, n)[:n]):
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(ids[i * bs:(i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits
+
+    def chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The names of seq's full blocks, at least its first num_blocks (maybe more), each hashed once in
+        the sequence's life: a long prompt is matched at every admission try, then named as computed."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if i else self.root, seq.token_ids[i * bs:(i + 1) * bs]))
+        return hashes
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._match(seq)
@@ -110,9 +117,10 @@ class BlockManager:
         if self.cold is None or not self.prefix_caching:
             return []
         bs, found = self.block_size, []
-        for i in range(start, (len(seq) - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, tokens)
+        n = (len(seq) - 1) // bs
+        hashes = self.chain(seq, n)
+        for i in range(start, n):
+            tokens, h = tuple(seq.token_ids[i * bs:(i + 1) * bs]), hashes[i]
             if not self.cold.lookup(h, parent, tokens):
                 break
             found.append((h, parent, tokens))
@@ -167,10 +175,11 @@ class BlockManager:
         if not self.prefix_caching:
             return
         hashes, bs = self.seq_hashes.setdefault(seq.seq_id, []), self.block_size
-        while (len(hashes) + 1) * bs <= seq.num_computed_tokens:
+        n = seq.num_computed_tokens // bs
+        names = self.chain(seq, n) if len(hashes) < n else None
+        while len(hashes) < n:
             i = len(hashes)
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(hashes[-1] if hashes else self.root, tokens)
+            tokens, h = tuple(seq.token_ids[i * bs:(i + 1) * bs]), names[i]
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.cached:

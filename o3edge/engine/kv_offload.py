@@ -13,16 +13,20 @@ block that the step is about to overwrite while its batch is still queued. The e
 launches that batch itself, and on CUDA the compute stream waits for the copy on the device (the
 host does not); on CPU the copy is made there and then.
 
-In (restore), for the step that needs it: the blocks' slots are pinned under one lock; a slot this
-process has not checksummed yet (what a restart found) is verified first (header, tokens, parent,
-slab checksum), in groups on a thread pool since the hash releases the GIL, each group copied in as
-soon as it passes; slots this process wrote or verified before go straight to the copy. On CUDA
-the copies (one per run of consecutive slots, from pinned memory into a staging buffer) go on a
-restore stream, so they run alongside whatever the compute stream still has queued (a decode step
-launched ahead), and the scatter into the hot blocks is queued on the compute stream behind an event
-wait, ahead of the step's kernels: the host does not wait, and goes on preparing the step while the
-copy engine runs. The first block that fails ends the
-restore; the caller recomputes from there.
+In (restore), for the step that needs it, started as soon as the scheduler has admitted its
+sequence: the blocks' slots are pinned under one lock; a slot this process has not checksummed yet
+(what a restart found) is verified first (header, tokens, parent, slab checksum), in groups on a
+thread pool since the hash releases the GIL, each group's copies started as soon as it passes;
+slots this process wrote or verified before go straight to the copy. The copies go in slot order,
+one per run of consecutive slots (a finished sequence's chain is offered tail first, so it sits in
+descending slots: one run all the same). They then fly while the engine thread prepares the step
+(metadata, block tables, the graph's inputs): on CUDA, from the pinned arena into a staging buffer
+on a restore stream (alongside whatever the compute stream still has queued); on CPU, on a copy
+thread (numpy releases the GIL). Only right before the step's first kernel does the runner call
+`ready()`: on CUDA the compute stream waits for the copies' event on the device (the host never
+waits) and scatters the staging buffer into the hot blocks; on CPU the engine thread waits for the
+copy thread. No kernel reads a restored block before its copy has landed. The first block that
+fails its check ends the restore; the caller recomputes from there.
 """
 
 from __future__ import annotations
@@ -80,7 +84,11 @@ class HostCopier:
         self.arena = np.frombuffer(tier.mm, dtype=np.uint8)
         self.tier, self.shape = tier, (L, 2, chunk)
         self.slabs: list[np.ndarray | None] = [None] * tier.num_slots
-        self.counts = {}
+        self.pool_exec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="o3edge-kv-restore")
+        self.copies: list = []  # restore copies started and not yet waited for (futures)
+        self.landing: list[int] = []  # their slots, pinned until then
+        self.copy_delay_s = 0.0  # test-only: each restore copy starts this late (nothing may read before it lands)
+        self.counts = {"cold_restore_copy_seconds": 0.0, "cold_restore_copied_blocks": 0, "cold_restore_copies": 0}
 
     def slab(self, slot: int) -> np.ndarray:
         view = self.slabs[slot]
@@ -109,16 +117,40 @@ class HostCopier:
         """Nothing to prepare: each group of blocks is copied as soon as it is verified."""
 
     def load(self, block_ids: list[int], slots: list[int]) -> None:
+        """Start the copies of verified slabs into their blocks on the copy thread (numpy releases the
+        GIL): the engine thread goes on preparing the step, and `ready` waits for them."""
+        self.copies.append(self.pool_exec.submit(self._copy, block_ids, slots))
+        self.counts["cold_restore_copies"] += 1
+
+    def _copy(self, block_ids: list[int], slots: list[int]) -> None:
+        if self.copy_delay_s:
+            time.sleep(self.copy_delay_s)
+        t0 = time.perf_counter()
         for block_id, slot in zip(block_ids, slots):
             np.copyto(self.pool[:, :, block_id], self.slab(slot))
+        self.counts["cold_restore_copy_seconds"] += time.perf_counter() - t0  # this thread alone writes these
+        self.counts["cold_restore_copied_blocks"] += len(slots)
 
     def loaded(self, slots: list[int]) -> None:
-        self.tier.unpin_all(slots)
+        """The restore's copies are started: its slots stay pinned until `ready` has seen them land."""
+        self.landing += slots
+
+    def ready(self) -> None:
+        """The step is about to read the pool: wait for every restore copy started, then unpin their slots."""
+        copies, self.copies = self.copies, []
+        try:
+            for future in copies:
+                future.result()
+        finally:
+            slots, self.landing = self.landing, []
+            self.tier.unpin_all(slots)
 
     def reap(self) -> None:
-        """Nothing in flight."""
+        """Nothing to collect: `ready` does."""
 
     def close(self) -> None:
+        self.ready()
+        self.pool_exec.shutdown(wait=True)
         self.arena = self.pool = self.slabs = None
 
 
@@ -136,9 +168,13 @@ class CudaCopier:
         self.stream = torch.cuda.Stream(self.device)  # offload copies
         self.restore_stream = torch.cuda.Stream(self.device)  # restore copies: not behind the offloads' waits
         self.slabs: list[torch.Tensor | None] = [None] * tier.num_slots
-        # restores whose copies may still run: (start event, end event, slots), oldest first
-        self.restores: deque[tuple[torch.cuda.Event, torch.cuda.Event, list[int]]] = deque()
-        self.counts = {"cold_restore_copy_seconds": 0.0, "cold_restore_copied_blocks": 0}
+        # restores whose copies or scatter may still run: (start, copies done, scatter done, slots), oldest first
+        self.restores: deque[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event, list[int]]] = deque()
+        # restores whose copies are queued and whose scatter waits for ready(): (staging, ids, event, start, slots)
+        self.landing: list[tuple] = []
+        self._ids: list[int] = []
+        self.copy_delay_s = 0.0  # test-only: each restore's copies start this late on the restore stream
+        self.counts = {"cold_restore_copy_seconds": 0.0, "cold_restore_copied_blocks": 0, "cold_restore_copies": 0}
 
     def slab(self, slot: int) -> torch.Tensor:
         view = self.slabs[slot]
@@ -190,48 +226,69 @@ class CudaCopier:
             self._staged = torch.empty((n, *self.shape), dtype=self.dtype, device=self.device)
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
+            if self.copy_delay_s:  # test-only: the copies land late on the device
+                torch.cuda._sleep(int(self.copy_delay_s * 2e9))  # GPU clock cycles, ~2 GHz
         self._ids: list[int] = []
 
     def load(self, block_ids: list[int], slots: list[int]) -> None:
         """Queue verified slabs' host-to-device copies into the staging buffer on the restore stream,
-        so that they run alongside whatever the compute stream still has queued (the host goes on)."""
+        so that they run alongside whatever the compute stream still has queued (the host goes on).
+        In slot order: a chain offloaded tail first sits in descending slots, one copy all the same."""
+        block_ids, slots = by_slot(block_ids, slots)
         base = len(self._ids)
         with torch.cuda.stream(self.restore_stream):
             for i, n in _runs(slots):
                 self._staged[base + i:base + i + n].copy_(self.slabs_from(slots[i], n), non_blocking=True)
+                self.counts["cold_restore_copies"] += 1
         self._ids += block_ids
 
     def loaded(self, slots: list[int]) -> None:
-        """Scatter the copied slabs into their blocks on the compute stream, after the copies (a wait on
-        the device); their slots stay pinned until the copies are done."""
+        """The restore's copies are queued: mark their end on the restore stream. The scatter into the
+        hot blocks waits for `ready`, so the engine thread prepares the step while the copy engine runs."""
         if self._ids:
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(enable_timing=True)  # the copies' own device time: start -> copied
             copied.record(self.restore_stream)
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(copied)
-            ids = torch.tensor(self._ids).pin_memory().to(self.device, non_blocking=True)
-            self.blocks.index_copy_(2, ids, self._staged[:len(self._ids)].permute(1, 2, 0, 3, 4, 5))
-            self._staged.record_stream(compute)  # not reused before the scatter has read it
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(compute)
-            self.restores.append((self._start, end, slots))
+            self.landing.append((self._staged, self._ids, copied, self._start, slots))
         self._staged = self._start = None
+        self._ids = []
+
+    def ready(self) -> None:
+        """Before the step's first kernel: the compute stream waits for the restore copies on the device
+        (an event wait; the host does not wait) and scatters the slabs into their blocks; their slots
+        stay pinned until the copies are done (`reap`)."""
+        landing, self.landing = self.landing, []
+        compute = torch.cuda.current_stream(self.device)
+        for staged, block_ids, copied, start, slots in landing:
+            compute.wait_event(copied)
+            ids = torch.tensor(block_ids).pin_memory().to(self.device, non_blocking=True)
+            self.blocks.index_copy_(2, ids, staged[:len(block_ids)].permute(1, 2, 0, 3, 4, 5))
+            staged.record_stream(compute)  # not reused before the scatter has read it
+            end = torch.cuda.Event()
+            end.record(compute)
+            self.restores.append((start, copied, end, slots))
         self.reap()
 
     def reap(self) -> None:
         """Unpin the slots of restores whose copies are done; count their time on the device."""
-        while self.restores and self.restores[0][1].query():
-            start, end, slots = self.restores.popleft()
-            self.counts["cold_restore_copy_seconds"] += start.elapsed_time(end) / 1000
+        while self.restores and self.restores[0][2].query():
+            start, copied, _, slots = self.restores.popleft()
+            self.counts["cold_restore_copy_seconds"] += start.elapsed_time(copied) / 1000
             self.counts["cold_restore_copied_blocks"] += len(slots)
             self.tier.unpin_all(slots)
 
     def close(self) -> None:
+        self.ready()
         torch.cuda.synchronize(self.device)
         self.reap()
         if self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
         self.arena = self.slabs = None
+
+
+def by_slot(block_ids: list[int], slots: list[int]) -> tuple[list[int], list[int]]:
+    """(block ids, slots) reordered by slot, so that slabs next to each other in the arena are one copy."""
+    pairs = sorted(zip(slots, block_ids))
+    return [b for _, b in pairs], [s for s, _ in pairs]
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int]]:
@@ -434,6 +491,11 @@ class KVOffloader:
         self.counts["cold_restore_seconds"] += time.perf_counter() - t0
         return n
 
+    def ready(self) -> None:
+        """The step is about to run: its first kernel must see every restored block (engine thread, right
+        before the forward; CUDA: a wait on the device, CPU: for the copy thread). Idempotent."""
+        self.copier.ready()
+
     def _verify_and_load(self, items: list, slots: list[int]) -> int:
         """Verify the slots in groups on the pool, copying each group in as soon as it passes (in order);
         how many leading slots passed."""
@@ -464,8 +526,7 @@ class KVOffloader:
     def stats(self) -> dict:
         c, nbytes = {**self.counts, **self.copier.counts}, self.tier.payload_bytes
         rate = lambda n, s: round(n * nbytes / s / 1e9, 3) if s > 0 else 0.0  # noqa: E731
-        restore = (rate(c["cold_restore_copied_blocks"], c["cold_restore_copy_seconds"])  # CUDA: device time
-                   if "cold_restore_copy_seconds" in c else rate(c["cold_restored_blocks"], c["cold_restore_seconds"]))
+        restore = rate(c["cold_restore_copied_blocks"], c["cold_restore_copy_seconds"])  # CUDA: device time
         return {**self.tier.stats(), "cold_offloaded_blocks": c["cold_offloaded_blocks"],
                 "cold_restored_blocks": c["cold_restored_blocks"], "cold_offload_skipped": c["cold_offload_skipped"],
                 "cold_verified_blocks": c["cold_verified_blocks"],

@@ -66,8 +66,9 @@ class PrefillGraphs:
         self.graphs = capture_graphs(self.token_buckets, self._forward, "prefill")
 
     @torch.inference_mode()
-    def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [1, V] float32, greedy token [1]) after prefilling the chunk."""
+    def run(self, batch, kv_ready=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [1, V] float32, greedy token [1]) after prefilling the chunk; kv_ready is called
+        once the inputs are queued, before the model's first kernel (restored blocks land there)."""
         seq, n = batch[0]
         self.num_steps += 1
         T = next(t for t in self.token_buckets if t >= n)
@@ -83,6 +84,8 @@ class PrefillGraphs:
             self.positions[:T].copy_(torch.arange(start, start + T).clamp_(max=limit), non_blocking=True)
             self.seqs.copy_(torch.tensor([[0, n, start]], dtype=torch.int32), non_blocking=True)
             self.tables[0, :len(table)].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
+        if kv_ready is not None:
+            kv_ready()
         if self.capture:
             graph, logits, tokens = self.graphs[T]
             graph.replay()

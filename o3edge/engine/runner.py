@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -92,26 +93,32 @@ class ModelRunner:
         self.cpu_decode.compiled = compiled
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> list[int | None]:
-        """Compute the new tokens' K/V and sample a token for each sequence whose prompt is now done."""
+    def run(self, batch: list[tuple[Sequence, int]], kv_ready: Callable[[], None] | None = None) -> list[int | None]:
+        """Compute the new tokens' K/V and sample a token for each sequence whose prompt is now done.
+        kv_ready (blocks being restored from the cold tier) is called after the host has prepared the
+        step and before its first kernel reads the cache."""
+        ready = kv_ready or _nothing
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
         greedy_only = all(batch[i][0].params.greedy for i in done)
         picked = None
         if self.router is not None and self.graphs is not None and self.graphs.fits(batch):
+            ready()
             logits, picked = self.graphs.run(batch, greedy_only)  # router_graph.py: both pools in the graph
             self.router.end_step(batch)
         elif self.router is not None:
             input_ids, positions, step = self.prepare(batch)
             step.router = self.router.begin_step(batch)
+            ready()
             logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
             self.router.end_step(batch)  # plans demotions: blocks.mark_computed carries them out
         elif self.graphs is not None and self.graphs.fits(batch):
+            ready()
             logits, picked = self.graphs.run(batch, greedy_only)  # decode: greedy picked on the GPU
         else:
             if self.graphs is not None:
                 self.graphs.drop_ahead()
             if self.prefill_graphs is not None and self.prefill_graphs.fits(batch):
-                logits, greedy = self.prefill_graphs.run(batch)
+                logits, greedy = self.prefill_graphs.run(batch, ready)
                 picked = greedy.tolist() if greedy_only else None
             else:
                 prepared = self.cpu_decode.prepare(batch) if self.cpu_decode is not None else None
@@ -120,6 +127,7 @@ class ModelRunner:
                 forward = partial(decode_forward, self.model) if fast else self.model
                 if prepared and self.cpu_decode.compiled is not None:
                     forward = self.cpu_decode.compiled
+                ready()
                 logits = forward(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy (None: overwritten)
         if picked is None:
@@ -181,6 +189,10 @@ class ModelRunner:
             kv_slots=kv_slots.to(dev), attn_mask=mask[:, None].to(dev), num_seqs=B, max_q=Q,
             logits_index=last.to(dev), dense=all(n == Q for n in counts))
         return torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), step
+
+
+def _nothing() -> None:
+    """No restored blocks to wait for."""
 
 
 def block_tables(seqs, num_rows: int, num_blocks: int) -> torch.Tensor:

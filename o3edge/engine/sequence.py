@@ -81,6 +81,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, found in the prefix cache rather than computed
     num_cold_tokens: int = 0  # of those, copied in from the cold tier
     cold_pending: list = field(default_factory=list)  # (block id, hash, parent, tokens) to copy in
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks, once
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

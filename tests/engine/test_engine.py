@@ -171,8 +171,9 @@ def test_bad_requests_get_coded_errors(tiny_dir):
                 dict(seed=-1), dict(stop=("",))):
         with pytest.raises(InvalidRequest):
             SamplingParams(**bad)
-    with pytest.raises(InvalidRequest):
-        e.add_request("b", [e.info.args.vocab_size], GREEDY)
+    for bad in ([e.info.args.vocab_size], [1, -1], [1, 2.0], [1, "2"], [None]):
+        with pytest.raises(InvalidRequest):
+            e.add_request("b", bad, GREEDY)
     e.add_request("c", [1, 2], GREEDY)
     with pytest.raises(InvalidRequest):
         e.add_request("c", [1, 2], GREEDY)
@@ -258,10 +259,16 @@ def test_prefill_graph_path_matches_eager(tiny_dir, paged):
     assert static.generate_batch([long], params)[0].token_ids == eager.generate_batch([long], params)[0].token_ids
 
 
-def test_paged_prefill_kernel_path_matches_eager(tiny_dir):
+@pytest.mark.parametrize("splits", [None, 4])
+def test_paged_prefill_kernel_path_matches_eager(tiny_dir, splits, monkeypatch):
     """Prefill through the block tables (the CUDA path, here under Triton's interpreter) gives the gather
     path's tokens: fresh prompts of different lengths batched together, chunked prefill, the suffix
-    after a prefix-cache hit, and decodes mixed into the same steps."""
+    after a prefix-cache hit, and decodes mixed into the same steps; also with the keys split over
+    several programs (what a short suffix after a long prefix gets on a GPU with many SMs)."""
+    if splits:
+        from o3edge.engine.kernels import prefill_attention as pa
+
+        monkeypatch.setattr(pa, "num_key_splits", lambda num_programs, device: splits)
     eager = load_for_kernels(tiny_dir, kv_block_size=8, max_num_batched_tokens=48)
     paged = load_for_kernels(tiny_dir, kv_block_size=8, max_num_batched_tokens=48)
     paged.engine.runner.paged_prefill = True

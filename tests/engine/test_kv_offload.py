@@ -10,7 +10,7 @@ import torch
 
 from o3edge import O3Config, O3Model
 from o3edge.engine import cold_tier as ct
-from o3edge.engine.kv_offload import KVOffloader, _runs
+from o3edge.engine.kv_offload import KVOffloader, _runs, by_slot
 from o3edge.engine.sequence import SamplingParams
 
 SYSTEM = "You are a careful assistant who answers questions about the Python standard library. " * 4
@@ -112,7 +112,7 @@ RESTART = """
 import json, sys
 sys.path.insert(0, {repo!r})
 from o3edge import O3Config, O3Model
-from o3edge.engine.kv_offload import KVOffloader, _runs
+from o3edge.engine.kv_offload import KVOffloader, _runs, by_slot
 from o3edge.engine.sequence import SamplingParams
 m = O3Model.from_config(O3Config(model_path={model!r}, device={device!r}, dtype="float32", kv_block_size=16,
                                  cold_tier_mb=8, cold_tier_dir={shm!r}))
@@ -227,6 +227,46 @@ def test_a_block_overwritten_right_after_its_offer_goes_out_with_its_old_content
 def test_consecutive_slots_make_one_copy_each_run():
     assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3), (3, 2), (5, 1)]
     assert _runs([7]) == [(0, 1)] and _runs([]) == []
+
+
+def test_a_chain_stored_tail_first_is_restored_in_one_run():
+    """A finished sequence frees (and offers) its blocks tail first, so its chain lands in descending
+    slots: sorted by slot, each block still goes to its own hot block, and the slabs make one run."""
+    ids, slots = by_slot([40, 41, 42, 43], [12, 11, 10, 9])
+    assert (ids, slots) == ([43, 42, 41, 40], [9, 10, 11, 12]) and _runs(slots) == [(0, 4)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_slow_restore_copy_lands_before_the_step_reads_its_blocks(tiny_dir, shm, expected, device):
+    """A cold hit's copies run while the engine prepares the step (CPU: on a thread; CUDA: on the
+    restore stream), and the step's first kernel waits for them (CPU: the thread; CUDA: an event, on
+    the device): with every copy held back, the cold hit still gives the hot hit's tokens (a forward
+    that read its blocks early would attend over stale K/V)."""
+    (prompt, _), _ = expected
+    m = load(tiny_dir, device, num_kv_blocks=11, cold_tier_mb=8, cold_tier_dir=shm)
+    generate(m, prompt)
+    hot = generate(m, prompt)  # the suffix over the cached prefix, as the cold hit computes it
+    assert hot.cached_tokens > 0
+    evict_hot(m, expected)
+    m.engine.offloader.copier.copy_delay_s = 0.5
+    cold = generate(m, prompt)
+    assert cold.token_ids == hot.token_ids and cold.cached_tokens == hot.cached_tokens
+    assert m.engine.stats()["cold_restored_blocks"] == hot.cached_tokens // 16
+    m.engine.close()
+
+
+@pytest.mark.gpu
+def test_gpu_cold_hit_copies_a_chain_in_one_copy(tiny_dir, shm, expected):
+    (prompt, _), (want, _) = expected
+    m = load(tiny_dir, "cuda", num_kv_blocks=11, cold_tier_mb=8, cold_tier_dir=shm)
+    generate(m, prompt)
+    evict_hot(m, expected)
+    copier = m.engine.offloader.copier
+    copies = copier.counts["cold_restore_copies"]
+    generate(m, prompt)
+    assert m.engine.stats()["cold_restored_blocks"] >= 9  # all of SYSTEM's full blocks, in one copy
+    assert copier.counts["cold_restore_copies"] - copies == 1
+    m.engine.close()
 
 
 def test_a_copier_that_cannot_start_leaves_the_engine_serving_without_the_tier(tiny_dir, shm, monkeypatch, caplog):

@@ -53,3 +53,28 @@ def test_strided_queries_as_the_model_passes_them():
     qk = torch.cat([q, torch.randn(q.shape[0], 2, 32, device=DEV)], dim=1)
     out = prefill_attention(qk[:, :4], kc, vc, seqs, tables, 20, 16)
     torch.testing.assert_close(out, prefill_attention_reference(q, kc, vc, seqs, tables, 16), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunks,splits", [
+    ([(250, 7)], 4),                   # the suffix of a hit: few tiles, keys split over several programs
+    ([(3, 20)], 8),                    # a short prefix: later splits find no key for some rows, or none
+    ([(0, 130), (48, 17), (5, 1)], 2),  # several sequences, several tiles
+])
+def test_key_splits_give_the_same_attention(chunks, splits):
+    q, kc, vc, seqs, tables = _case(chunks, 8, 2, 64, 16, torch.float32, seed=splits)
+    max_q = max(n for _, n in chunks)
+    ref = prefill_attention_reference(q, kc, vc, seqs, tables, 16)
+    one = prefill_attention(q, kc, vc, seqs, tables, max_q, 16, num_splits=1)
+    split = prefill_attention(q, kc, vc, seqs, tables, max_q, 16, num_splits=splits)
+    torch.testing.assert_close(split, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(split, one, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_rows_past_every_chunk_stay_zero_with_splits():
+    """A CUDA graph's bucket holds more rows than the chunk: those rows come out 0, split or not."""
+    q, kc, vc, seqs, tables = _case([(40, 5)], 4, 2, 32, 16, torch.float32, seed=3)
+    padded = torch.cat([q, torch.randn(11, 4, 32, device=DEV)])
+    out = prefill_attention(padded, kc, vc, seqs, tables, 16, 16, num_splits=4)
+    assert torch.all(out[5:] == 0)
+    torch.testing.assert_close(out[:5], prefill_attention_reference(q, kc, vc, seqs, tables, 16), atol=1e-4,
+                               rtol=1e-4)
