@@ -182,69 +182,6 @@ def _int4_words(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constex
     return q, tl.load(sz, mask=sz_mask, other=0.0), tl.load(sz + 1, mask=sz_mask, other=0.0)
 
 
-# Eight INT4 weights (one word) dequantized into four words of two halves, (q - 8) * scale + zero: the
-# same permute and logic op as _PACKED_DOT, then a packed subtract and a packed fused multiply-add.
-_PACKED_DEQUANT = """{
-.reg .b32 hi, d, w, c;
-mov.b32 c, CENTER;
-shr.u32 hi, $4, 4;
-prmt.b32 d, hi, $4, 0x0400;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-fma.rn.TYPE $0, w, $5, $6;
-prmt.b32 d, hi, $4, 0x0501;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-fma.rn.TYPE $1, w, $5, $6;
-prmt.b32 d, hi, $4, 0x0602;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-fma.rn.TYPE $2, w, $5, $6;
-prmt.b32 d, hi, $4, 0x0703;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-fma.rn.TYPE $3, w, $5, $6;
-}"""
-PACKED_DEQUANT_F16 = tl.constexpr(_PACKED_DEQUANT.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
-                                  .replace("TYPE", "f16x2"))
-PACKED_DEQUANT_BF16 = tl.constexpr(_PACKED_DEQUANT.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
-                                   .replace("fma.rn.TYPE", "fma.rn.bf16x2").replace(".TYPE", ".rn.bf16x2"))
-
-
-@triton.jit
-def _twice(v, dtype: tl.constexpr):
-    """Values [..] as int32 words holding the value in dtype in both halves."""
-    bits = v.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return bits | (bits << 16)
-
-
-@triton.jit
-def _halves(word, dtype: tl.constexpr):
-    """The low and high halves of int32 words, as dtype."""
-    return (word.to(tl.int16).to(dtype, bitcast=True), (word >> 16).to(tl.int16).to(dtype, bitcast=True))
-
-
-@triton.jit
-def _int4_packed_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                      dtype: tl.constexpr):
-    """weight_tile for INT4 on the GPU's packed half-precision instructions (PACKED_DEQUANT_*)."""
-    q, scale, zero = _int4_words(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
-    args = [q, _twice(scale, dtype)[:, :, None], _twice(zero, dtype)[:, :, None]]
-    if dtype == tl.bfloat16:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(PACKED_DEQUANT_BF16, "=r,=r,=r,=r,r,r,r", args,
-                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(PACKED_DEQUANT_F16, "=r,=r,=r,=r,r,r,r", args,
-                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    a0, b0 = _halves(o0, dtype)  # columns 8j + 2k (a) and 8j + 2k + 1 (b) of word o_k
-    a1, b1 = _halves(o1, dtype)
-    a2, b2 = _halves(o2, dtype)
-    a3, b3 = _halves(o3, dtype)
-    # column 8j + c, c = 4 k1 + 2 k0 + h: join the slowest index first (join adds the new, fastest axis)
-    w = tl.join(tl.join(tl.join(a0, a2), tl.join(a1, a3)), tl.join(tl.join(b0, b2), tl.join(b1, b3)))
-    return tl.reshape(w, [q.shape[0], BLOCK_K])
-
-
 @triton.jit
 def _int4_packed_row_dot(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr,
                          BLOCK_K: tl.constexpr):
@@ -274,11 +211,9 @@ def _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.
 
 @triton.jit
 def weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_K: tl.constexpr, dtype: tl.constexpr, PACKED: tl.constexpr = False):
+                 BLOCK_K: tl.constexpr, dtype: tl.constexpr):
     """Weight rows rn, columns k0 .. k0+BLOCK_K, as [BLOCK_N, BLOCK_K] in the model dtype."""
-    if INT4 and PACKED:
-        w = _int4_packed_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, dtype)
-    elif INT4:
+    if INT4:
         hi, lo, scale, zero = _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
         hi = hi.to(tl.float32) * scale[:, :, None] + zero[:, :, None]
         lo = lo.to(tl.float32) * scale[:, :, None] + zero[:, :, None]
@@ -318,7 +253,7 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
         if BLOCK_M == 1 and INT4:
             acc1 += _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
         else:
-            w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype, PACKED)
+            w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype)
             if BLOCK_M == 1:
                 acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
             elif IEEE:
@@ -395,9 +330,12 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
 
 
 def packed_int4(x: torch.Tensor) -> bool:
-    """Whether INT4 tiles are unpacked with packed half-precision instructions (one row: PACKED_DOT_*, more
-    rows: PACKED_DEQUANT_*): on a CUDA GPU, for float16 and bfloat16 activations, unless
-    O3EDGE_INT4_PACKED=0; the interpreter takes the float32 path."""
+    """Whether one-row INT4 tiles use the packed half-precision dot (PACKED_DOT_*): on a CUDA GPU, for
+    float16 and bfloat16 activations, unless O3EDGE_INT4_PACKED=0; the interpreter takes the float32 path.
+    On the H200 it took gate/up at one row from 11.7 to 9.2 us (tinyllama) and a llama-1b INT4-FFN step
+    from 0.758 to 0.686 ms (docs/results/gpu-2026-12-01/int4-cold/). The same trick for the dequantized
+    tiles of 8-32 rows (packed fused multiply-add, then joins into the dot's tile) was faster at some
+    shapes and slower at others in that call, so those tiles keep the float32 path."""
     return (x.is_cuda and not INTERPRET and x.dtype in (torch.float16, torch.bfloat16)
             and os.environ.get("O3EDGE_INT4_PACKED") != "0")
 
@@ -427,7 +365,7 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, ...]:
         return (8, block_k, 1, 8, 6) if N < 2 * K else (8, block_k, 1, 4, 6)  # QKV; gate/up and LM head
     block_k = min(1024, triton.next_power_of_2(K))
     if K >= 4096:
-        return (16, block_k, 2, 8)
+        return (8, block_k, 2, 8) if int4 else (16, block_k, 2, 8)
     if N >= 8192:
         return (16, block_k, 1, 4) if int4 else (8, block_k, 1, 4)
     return 4, block_k, 1, 8
@@ -484,6 +422,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=on, PACKED=packed_int4(x) and int4, num_warps=warps,
+        PDL=on, PACKED=packed_int4(x) and int4 and M == 1, num_warps=warps,
         **pdl.launch_options(on))
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
