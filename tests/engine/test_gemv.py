@@ -1,6 +1,8 @@
 """The decode step's skinny matmuls (kernels/gemv.py) against plain torch: prologue, then F.linear.
 
-Under TRITON_INTERPRET=1 on CPU tensors in CI, compiled on the GPU machine (`pytest -m gpu`)."""
+Under TRITON_INTERPRET=1 on CPU tensors in CI; compiled on a CUDA machine when run there without the
+`-m gpu` filter; the `gpu`-marked test at the end holds the decode step's own tilings (streamed one-row
+matmuls, the packed INT4 dot) at real model shapes to the reference on the GPU (`pytest -m gpu`)."""
 
 import pytest
 import torch
@@ -92,3 +94,28 @@ def test_more_rows_than_a_decode_batch_are_refused():
     x, w = torch.zeros(65, 8, device=DEV), torch.zeros(8, 8, device=DEV)
     with pytest.raises(ValueError, match="at most 64"):
         skinny_matmul(x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
+    """tinyllama's one-row projections as the decode step runs them (streamed dense, INT4 with the packed
+    dot and without) against prologue-then-linear in float32."""
+    monkeypatch.setenv("O3EDGE_INT4_PACKED", "1")
+    g, x, w = _data(1, 2560, 2048, dtype, 7)
+    res = torch.randn(1, 2048, generator=g).to(DEV, dtype)
+    nw = (1 + 0.1 * torch.randn(2048, generator=g)).to(DEV, dtype)
+    out, _ = skinny_matmul(x, w, norm_weight=nw, residual=res.clone(), eps=1e-5)
+    normed = add_rmsnorm_reference(x, res.clone(), nw, 1e-5)
+    _close(out, F.linear(normed.float(), w.float()), dtype)
+    g, gu, w = _data(1, 2048, 5632, dtype, 8, x_cols=2 * 5632)
+    _close(skinny_matmul(gu, w, silu=True), F.linear(silu_mul_reference(gu).float(), w.float()), dtype)
+    for N, K, group in ((11264, 2048, 128), (2048, 5632, 64)):
+        g, x, w = _data(1, N, K, dtype, N)
+        qw, sz = quantize_int4(w.float().cpu(), group)
+        ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
+        for packed in ("1", "0"):
+            monkeypatch.setenv("O3EDGE_INT4_PACKED", packed)
+            out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
+            _close(out, ref, dtype)

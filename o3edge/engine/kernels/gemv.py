@@ -330,14 +330,16 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
 
 
 def packed_int4(x: torch.Tensor) -> bool:
-    """Whether one-row INT4 tiles use the packed half-precision dot (PACKED_DOT_*): on a CUDA GPU, for
-    float16 and bfloat16 activations, unless O3EDGE_INT4_PACKED=0; the interpreter takes the float32 path.
-    On the H200 it took gate/up at one row from 11.7 to 9.2 us (tinyllama) and a llama-1b INT4-FFN step
-    from 0.758 to 0.686 ms (docs/results/gpu-2026-12-01/int4-cold/). The same trick for the dequantized
-    tiles of 8-32 rows (packed fused multiply-add, then joins into the dot's tile) was faster at some
-    shapes and slower at others in that call, so those tiles keep the float32 path."""
+    """Whether one-row INT4 tiles use the packed half-precision dot (PACKED_DOT_*): with O3EDGE_INT4_PACKED=1,
+    on a CUDA GPU, for float16 and bfloat16 activations; otherwise (and always under the interpreter) the
+    float32 path. On the H200 it took gate/up at one row from 11.7 to 9.2 us (tinyllama) and a llama-1b
+    INT4-FFN step from 0.758 to 0.686 ms (docs/results/gpu-2026-12-01/int4-cold/). It stays opt-in until
+    its GPU test (tests/engine/test_gemv.py, marked gpu) has run on the device: its instructions were
+    checked by emulation and its data layout under the interpreter, not yet its output on a GPU. The same
+    trick for the dequantized tiles of 8-32 rows was faster at some shapes and slower at others in that
+    call, so those tiles keep the float32 path."""
     return (x.is_cuda and not INTERPRET and x.dtype in (torch.float16, torch.bfloat16)
-            and os.environ.get("O3EDGE_INT4_PACKED") != "0")
+            and os.environ.get("O3EDGE_INT4_PACKED") == "1")
 
 
 def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, ...]:
