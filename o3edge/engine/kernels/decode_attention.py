@@ -75,12 +75,17 @@ def paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, 
 
 
 @triton.jit
-def softmax_step(s, v, m, l_sum, acc, IEEE: tl.constexpr, dtype):
-    """One tile of an online softmax: scores s [rows, keys] (masked: -inf; every row has seen a key by
-    its first tile), values v [keys, hd] -> the running max, sum and weighted values."""
+def softmax_step(s, v, m, l_sum, acc, IEEE: tl.constexpr, dtype, MAYBE_EMPTY: tl.constexpr = False):
+    """One tile of an online softmax: scores s [rows, keys] (masked: -inf), values v [keys, hd] -> the
+    running max, sum and weighted values. Every row has seen a key by its first tile, unless MAYBE_EMPTY
+    (a key split that may start past a row's position): then a row that has seen none keeps sum and
+    values 0 and max -inf."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m - m_new)
+    m_ref = m_new
+    if MAYBE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_ref[:, None])
+    alpha = tl.exp(m - m_ref)
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")

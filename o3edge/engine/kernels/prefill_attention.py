@@ -38,24 +38,8 @@ def _tile(q, m, l_sum, acc, n0, q_pos, kv_end, table, k_cache_ptr, v_cache_ptr, 
                                       KV_BLOCK, BLOCK_N, IEEE)
     ok = n_mask[None, :] & (offs[None, :] <= q_pos[:, None])  # causal: up to the query's own position
     s = tl.where(ok, s * sm_scale, float("-inf"))  # key 0 is in every row's first tile (one split)
-    if SPLIT:  # a split may start past a row's position: a row may see no key in a tile, or in any
-        return _step_maybe_empty(s, v, m, l_sum, acc, IEEE, dtype)
-    return softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
-
-
-@triton.jit
-def _step_maybe_empty(s, v, m, l_sum, acc, IEEE: tl.constexpr, dtype):
-    """softmax_step for rows that may have seen no key yet (max -inf): their sum and values stay 0."""
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_ref[:, None])
-    alpha = tl.exp(m - m_ref)
-    l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
-    return m_new, l_sum, acc
+    # with key splits, a split may start past a row's position: a row may see no key in a tile, or in any
+    return softmax_step(s, v, m, l_sum, acc, IEEE, dtype, SPLIT)
 
 
 @triton.jit
