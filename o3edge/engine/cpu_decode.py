@@ -32,6 +32,7 @@ class CpuDecode:
         self.block_size, self.max_batch = block_size, max_batch
         self.fast_forward = fast_forward  # run decode_forward instead of the model's own forward
         self.compiled = None  # cpu_compiled.CompiledDecode when [engine] cpu_compile is on
+        self.native = None  # cpu_step.NativeDecode when [engine] cpu_native_step applies (taken first)
 
     def prepare(self, batch):
         """(input ids [B], positions [B], StepBatch with kv_spans) or None."""

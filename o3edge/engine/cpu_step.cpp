@@ -1,0 +1,265 @@
+// o3edge's native CPU decode step (see o3edge/engine/cpu_step.py): a whole decode step of a quantized
+// llama-family model (one new token per sequence) in one OpenMP parallel region. Every matmul splits its
+// 16-row weight blocks over the threads, attention splits its heads, and the threads meet at a barrier
+// between phases; activations are normed and quantized by every thread for itself (a few hundred floats),
+// residual adds are fused into the matmul that produces them.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <omp.h>
+#include <cmath>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+using at::Tensor;
+
+namespace {
+
+// One quantized linear layer in the VNNI layouts of cpu_kernels.h. int8: w = packed int8 [N/16, K/4, 64],
+// a = wsum int32 [K/G, N], b = scales float32 [N]. int4: w = packed uint8 [N/16, Kp/8, 64], a = scales bf16
+// [Kp/G, N], b = zeros bf16 [Kp/G, N].
+struct Linear {
+  bool int4 = false;
+  Tensor w, a, b;
+  int64_t N = 0, K = 0, Kp = 0, G = 0;
+};
+
+struct Layer {
+  Tensor input_norm, post_norm, q_norm, k_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+// per-thread activation buffers, quantized for one linear
+struct Quantized {
+  std::vector<int8_t> s8;
+  std::vector<uint8_t> u8;
+  std::vector<float> xs;
+  std::vector<int32_t> xsum;
+};
+
+void quantize(const Linear& l, const float* x, int64_t M, Quantized& q) {
+  const int64_t NG = l.Kp / l.G;
+  if (q.xs.size() < (size_t)(M * NG)) q.xs.resize(M * NG), q.xsum.resize(M * NG);
+  if (l.int4) {
+    if (q.s8.size() < (size_t)(M * l.Kp)) q.s8.resize(M * l.Kp);
+    quantize_s8(x, M, l.K, l.Kp, l.G, q.s8.data(), q.xs.data(), q.xsum.data());
+  } else {
+    if (q.u8.size() < (size_t)(M * l.K)) q.u8.resize(M * l.K);
+    quantize_u8(x, M, l.K, l.G, q.u8.data(), q.xs.data());
+  }
+}
+
+// thread t of T: its share of the weight blocks of l, out [M, N] (+= when add)
+void matmul(const Linear& l, const Quantized& q, int64_t M, float* out, bool add, int t, int T) {
+  const int64_t blocks = l.N / 16, b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
+  const int64_t NG = l.Kp / l.G;
+  for (int64_t rb = b0; rb < b1; ++rb) {
+    int64_t m = 0;
+    if (l.int4) {
+      const uint8_t* wb = l.w.data_ptr<uint8_t>() + rb * (l.Kp / 8) * 64;
+      const auto* sp = l.a.data_ptr<at::BFloat16>();
+      const auto* zp = l.b.data_ptr<at::BFloat16>();
+      for (; m + 4 <= M; m += 4)
+        int4_rows<4>(wb, q.s8.data(), q.xs.data(), q.xsum.data(), sp, zp, out, m, rb, l.N, l.Kp, NG, l.G / 8, add);
+      for (; m < M; ++m)
+        int4_rows<1>(wb, q.s8.data(), q.xs.data(), q.xsum.data(), sp, zp, out, m, rb, l.N, l.Kp, NG, l.G / 8, add);
+    } else {
+      const int8_t* wb = l.w.data_ptr<int8_t>() + rb * (l.K / 4) * 64;
+      const int32_t* ws = l.a.data_ptr<int32_t>();
+      const float* sp = l.b.data_ptr<float>();
+      for (; m + 4 <= M; m += 4) int8_rows<4>(wb, q.u8.data(), q.xs.data(), ws, sp, out, m, rb, l.N, l.K, NG, l.G / 4, add);
+      for (; m < M; ++m) int8_rows<1>(wb, q.u8.data(), q.xs.data(), ws, sp, out, m, rb, l.N, l.K, NG, l.G / 4, add);
+    }
+  }
+}
+
+// y = x / rms(x) * w, rows of n
+void rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t n, float eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) ss += x[m * n + i] * x[m * n + i];
+    const float r = 1.f / std::sqrt(ss / n + eps);
+    for (int64_t i = 0; i < n; ++i) y[m * n + i] = x[m * n + i] * r * w[i];
+  }
+}
+
+// rotate-half RoPE of one head in place; cos, sin: the position's rows [hd]
+void rope(float* x, const float* cos, const float* sin, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// one query head against keys/values [n] rows of stride `row` -> out [hd]; sc: scratch of n floats
+void attend(const float* q, const float* k, const float* v, int64_t n, int64_t row, int64_t hd, float* sc, float* out) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  const float scale = 1.0f / std::sqrt((float)hd);
+  float m = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* kt = k + t * row;
+    Vec acc = Vec::loadu(q) * Vec::loadu(kt);
+    for (int64_t d = W; d < hd; d += W) acc = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(kt + d), acc);
+    sc[t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc) * scale;
+    m = std::max(m, sc[t]);
+  }
+  const Vec vm(m);
+  Vec vsum(0.f);
+  int64_t t = 0;
+  for (; t + W <= n; t += W) {
+    Vec e = (Vec::loadu(sc + t) - vm).exp_u20();
+    e.store(sc + t);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  for (; t < n; ++t) {
+    sc[t] = std::exp(sc[t] - m);
+    sum += sc[t];
+  }
+  Vec acc[256 / W];
+  for (int64_t i = 0; i < hd / W; ++i) acc[i] = Vec(0.f);
+  for (int64_t t2 = 0; t2 < n; ++t2) {
+    const float* vt = v + t2 * row;
+    const Vec p(sc[t2]);
+    for (int64_t i = 0; i < hd / W; ++i) acc[i] = at::vec::fmadd(p, Vec::loadu(vt + i * W), acc[i]);
+  }
+  const Vec inv(1.f / sum);
+  for (int64_t i = 0; i < hd / W; ++i) (acc[i] * inv).store(out + i * W);
+}
+
+}  // namespace
+
+// The model's weights (references to the module tensors: no copy), built once by cpu_step.py.
+struct DecodeModel : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+  Linear lm_head;
+  Tensor embed, norm;
+  int64_t H, KVH, hd, D, I, V;
+  double eps;
+
+  // tensors: embed, norm, per layer [input_norm, post_norm, q_norm, k_norm (empty when none), then 3 per linear
+  // for qkv, o, gate_up, down], then 3 for the LM head. ints: H, KVH, hd, then per linear (layers', then the
+  // head's) [int4, N, K, Kp, G].
+  DecodeModel(std::vector<Tensor> t, std::vector<int64_t> ints, double eps_) : eps(eps_) {
+    H = ints[0], KVH = ints[1], hd = ints[2];
+    embed = t[0], norm = t[1];
+    D = embed.size(1), V = embed.size(0);
+    size_t ti = 2, ii = 3;
+    auto linear = [&]() {
+      Linear l;
+      l.w = t[ti], l.a = t[ti + 1], l.b = t[ti + 2];
+      ti += 3;
+      l.int4 = ints[ii], l.N = ints[ii + 1], l.K = ints[ii + 2], l.Kp = ints[ii + 3], l.G = ints[ii + 4];
+      ii += 5;
+      return l;
+    };
+    const size_t per_layer = 4 + 4 * 3;
+    const size_t L = (t.size() - 2 - 3) / per_layer;
+    TORCH_CHECK(t.size() == 2 + L * per_layer + 3, "DecodeModel: bad tensor list");
+    for (size_t i = 0; i < L; ++i) {
+      Layer l;
+      l.input_norm = t[ti], l.post_norm = t[ti + 1], l.q_norm = t[ti + 2], l.k_norm = t[ti + 3];
+      ti += 4;
+      l.qkv = linear(), l.o = linear(), l.gate_up = linear(), l.down = linear();
+      layers.push_back(l);
+    }
+    lm_head = linear();
+    I = layers.empty() ? 0 : layers[0].down.K;
+    TORCH_CHECK(hd % 16 == 0 && hd <= 256, "head_dim must be a multiple of 16 and <= 256");
+  }
+
+  // ids, positions, slots: [B] int64; cos, sin: [max_len, hd] float32; kv_cache [L, 2, S, KVH, hd] float32
+  // -> logits [B, V] float32. Writes each new token's keys and values at its slot; sequence b's keys are slots
+  // [slot - position, slot] (consecutive, cpu_decode.CpuDecode).
+  Tensor step(Tensor ids, Tensor positions, Tensor slots, Tensor cos, Tensor sin, Tensor kv_cache) {
+    TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat, "kv_cache: contiguous float32");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat, "rope tables");
+    const int64_t B = ids.size(0), S = kv_cache.size(2), row = KVH * hd, QKV = (H + 2 * KVH) * hd;
+    const int64_t* idp = ids.data_ptr<int64_t>();
+    const int64_t* ps = positions.data_ptr<int64_t>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    int64_t maxlen = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(sl[b] >= ps[b] && sl[b] < S && idp[b] >= 0 && idp[b] < V, "step: slot or id out of range");
+      maxlen = std::max(maxlen, ps[b] + 1);
+    }
+    auto logits = at::empty({B, V}, embed.options().dtype(at::kFloat));
+    std::vector<float> x(B * D), qkv(B * QKV), att(B * H * hd), gu(B * 2 * I);
+    const float* E = embed.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) std::memcpy(&x[b * D], E + idp[b] * D, D * sizeof(float));
+    float* kv = kv_cache.data_ptr<float>();
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    const int T = std::max(1, std::min<int>(at::get_num_threads(), 64));
+#pragma omp parallel num_threads(T)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      Quantized q;
+      std::vector<float> h(B * std::max(D, I)), sc(maxlen + 16);
+      for (size_t li = 0; li < layers.size(); ++li) {
+        const Layer& L = layers[li];
+        float* kbase = kv + li * 2 * S * row;
+        float* vbase = kbase + S * row;
+        // qkv = W_qkv . norm(x)
+        rms_norm(x.data(), L.input_norm.data_ptr<float>(), h.data(), B, D, eps);
+        quantize(L.qkv, h.data(), B, q);
+        matmul(L.qkv, q, B, qkv.data(), false, t, nt);
+#pragma omp barrier
+        // q/k norms, RoPE, and the new keys and values into the cache: heads split over the threads
+        for (int64_t j = t; j < B * (H + KVH); j += nt) {
+          const int64_t b = j / (H + KVH), hh = j % (H + KVH);
+          float* xh = &qkv[b * QKV + hh * hd];
+          const Tensor& qn = hh < H ? L.q_norm : L.k_norm;
+          if (qn.defined() && qn.numel()) rms_norm(xh, qn.data_ptr<float>(), xh, 1, hd, eps);
+          rope(xh, cp + ps[b] * hd, sp + ps[b] * hd, hd);
+          if (hh >= H) {
+            const int64_t g = hh - H;
+            std::memcpy(kbase + sl[b] * row + g * hd, xh, hd * sizeof(float));
+            std::memcpy(vbase + sl[b] * row + g * hd, &qkv[b * QKV + (H + KVH + g) * hd], hd * sizeof(float));
+          }
+        }
+#pragma omp barrier
+        for (int64_t j = t; j < B * H; j += nt) {  // attention over each sequence's live prefix
+          const int64_t b = j / H, hh = j % H, g = hh / (H / KVH), start = sl[b] - ps[b];
+          attend(&qkv[b * QKV + hh * hd], kbase + start * row + g * hd, vbase + start * row + g * hd, ps[b] + 1,
+                 row, hd, sc.data(), &att[(b * H + hh) * hd]);
+        }
+#pragma omp barrier
+        // x += W_o . att
+        quantize(L.o, att.data(), B, q);
+        matmul(L.o, q, B, x.data(), true, t, nt);
+#pragma omp barrier
+        // gate, up = W_gate_up . norm(x)
+        rms_norm(x.data(), L.post_norm.data_ptr<float>(), h.data(), B, D, eps);
+        quantize(L.gate_up, h.data(), B, q);
+        matmul(L.gate_up, q, B, gu.data(), false, t, nt);
+#pragma omp barrier
+        // x += W_down . (silu(gate) * up)
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t i = 0; i < I; ++i) {
+            const float g = gu[b * 2 * I + i];
+            h[b * I + i] = g / (1.f + std::exp(-g)) * gu[b * 2 * I + I + i];
+          }
+        quantize(L.down, h.data(), B, q);
+        matmul(L.down, q, B, x.data(), true, t, nt);
+#pragma omp barrier
+      }
+      rms_norm(x.data(), norm.data_ptr<float>(), h.data(), B, D, eps);
+      quantize(lm_head, h.data(), B, q);
+      matmul(lm_head, q, B, logits.data_ptr<float>(), false, t, nt);
+    }
+    return logits;
+  }
+};
+
+TORCH_LIBRARY_FRAGMENT(o3edge_cpu, m) {
+  m.class_<DecodeModel>("DecodeModel")
+      .def(torch::init<std::vector<Tensor>, std::vector<int64_t>, double>())
+      .def("step", &DecodeModel::step);
+}
