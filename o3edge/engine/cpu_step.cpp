@@ -15,6 +15,16 @@
 
 #include "cpu_kernels.h"
 
+#ifdef O3_PROFILE
+#include <chrono>
+#include <cstdio>
+static double g_prof[8];
+static int64_t g_steps;
+#define PROF_MARK(i) if (t == 0) { auto now_ = std::chrono::steady_clock::now(); g_prof[i] += std::chrono::duration<double>(now_ - last_).count(); last_ = now_; }
+#else
+#define PROF_MARK(i)
+#endif
+
 using at::Tensor;
 
 namespace {
@@ -97,41 +107,63 @@ void rope(float* x, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
-// one query head against keys/values [n] rows of stride `row` -> out [hd]; sc: scratch of n floats
-void attend(const float* q, const float* k, const float* v, int64_t n, int64_t row, int64_t hd, float* sc, float* out) {
-  using Vec = at::vec::Vectorized<float>;
-  constexpr int64_t W = Vec::size();
+// Split-K attention: each thread takes a share of a sequence's keys for all heads, so every key and value row is
+// read once, front to back, by one thread. The H query heads q [H, hd] (head h reads KV group h / (H / KVH))
+// against key/value rows [0, n) of `row` floats (KVH heads of hd) -> per head the partial softmax state: the
+// unnormalized sum acc [hd], max m and sum l (part: H rows of hd + 2 floats). n may be 0. sc: H * n floats.
+void attend_part(const float* q, int64_t H, int64_t KVH, const float* k, const float* v, int64_t n, int64_t row,
+                 int64_t hd, float* sc, float* part) {
+  const int64_t rep = H / KVH, nv = hd / 16;
   const float scale = 1.0f / std::sqrt((float)hd);
-  float m = -INFINITY;
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = 0; t < n; ++t) {  // scores
     const float* kt = k + t * row;
-    Vec acc = Vec::loadu(q) * Vec::loadu(kt);
-    for (int64_t d = W; d < hd; d += W) acc = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(kt + d), acc);
-    sc[t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc) * scale;
-    m = std::max(m, sc[t]);
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = q + h * hd;
+      const float* kh = kt + (h / rep) * hd;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kh));
+      for (int64_t i = 1; i < nv; ++i) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), _mm512_loadu_ps(kh + 16 * i), acc);
+      sc[h * n + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
   }
-  const Vec vm(m);
-  Vec vsum(0.f);
-  int64_t t = 0;
-  for (; t + W <= n; t += W) {
-    Vec e = (Vec::loadu(sc + t) - vm).exp_u20();
-    e.store(sc + t);
-    vsum = vsum + e;
+  for (int64_t h = 0; h < H; ++h) {  // softmax numerators, max and sum
+    float* s = sc + h * n;
+    float m = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    float* out = part + h * (hd + 2);
+    for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+    out[hd] = m, out[hd + 1] = sum;
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
-  for (; t < n; ++t) {
-    sc[t] = std::exp(sc[t] - m);
-    sum += sc[t];
+  for (int64_t t = 0; t < n; ++t) {  // weighted values
+    const float* vt = v + t * row;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* vh = vt + (h / rep) * hd;
+      float* out = part + h * (hd + 2);
+      const __m512 p = _mm512_set1_ps(sc[h * n + t]);
+      for (int64_t i = 0; i < nv; ++i)
+        _mm512_storeu_ps(out + 16 * i, _mm512_fmadd_ps(p, _mm512_loadu_ps(vh + 16 * i), _mm512_loadu_ps(out + 16 * i)));
+    }
   }
-  Vec acc[256 / W];
-  for (int64_t i = 0; i < hd / W; ++i) acc[i] = Vec(0.f);
-  for (int64_t t2 = 0; t2 < n; ++t2) {
-    const float* vt = v + t2 * row;
-    const Vec p(sc[t2]);
-    for (int64_t i = 0; i < hd / W; ++i) acc[i] = at::vec::fmadd(p, Vec::loadu(vt + i * W), acc[i]);
+}
+
+// the threads' partial states of one head (parts of stride `stride` floats) -> its attention output [hd]
+void merge_parts(const float* part, int64_t nparts, int64_t stride, int64_t hd, float* out) {
+  float M = -INFINITY;
+  for (int64_t p = 0; p < nparts; ++p) M = std::max(M, part[p * stride + hd]);
+  float l = 0.f;
+  for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
+  for (int64_t p = 0; p < nparts; ++p) {
+    const float* pp = part + p * stride;
+    if (pp[hd + 1] == 0.f) continue;  // no keys in this share
+    const float w = std::exp(pp[hd] - M);
+    l += w * pp[hd + 1];
+    for (int64_t i = 0; i < hd; ++i) out[i] += w * pp[i];
   }
-  const Vec inv(1.f / sum);
-  for (int64_t i = 0; i < hd / W; ++i) (acc[i] * inv).store(out + i * W);
+  const float inv = 1.f / l;
+  for (int64_t i = 0; i < hd; ++i) out[i] *= inv;
 }
 
 }  // namespace
@@ -191,17 +223,22 @@ struct DecodeModel : torch::CustomClassHolder {
       maxlen = std::max(maxlen, ps[b] + 1);
     }
     auto logits = at::empty({B, V}, embed.options().dtype(at::kFloat));
-    std::vector<float> x(B * D), qkv(B * QKV), att(B * H * hd), gu(B * 2 * I);
+    std::vector<float> x(B * D), qkv(B * QKV), gu(B * 2 * I);
     const float* E = embed.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) std::memcpy(&x[b * D], E + idp[b] * D, D * sizeof(float));
     float* kv = kv_cache.data_ptr<float>();
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
     const int T = std::max(1, std::min<int>(at::get_num_threads(), 64));
+    const int64_t rep = H / KVH;
+    std::vector<float> parts(T * B * H * (hd + 2));  // split-K attention: each thread's partial states
 #pragma omp parallel num_threads(T)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       Quantized q;
-      std::vector<float> h(B * std::max(D, I)), sc(maxlen + 16);
+#ifdef O3_PROFILE
+      auto last_ = std::chrono::steady_clock::now();
+#endif
+      std::vector<float> h(B * std::max({D, I, H * hd})), sc(H * (maxlen / nt + 2));
       for (size_t li = 0; li < layers.size(); ++li) {
         const Layer& L = layers[li];
         float* kbase = kv + li * 2 * S * row;
@@ -211,6 +248,7 @@ struct DecodeModel : torch::CustomClassHolder {
         quantize(L.qkv, h.data(), B, q);
         matmul(L.qkv, q, B, qkv.data(), false, t, nt);
 #pragma omp barrier
+        PROF_MARK(0)
         // q/k norms, RoPE, and the new keys and values into the cache: heads split over the threads
         for (int64_t j = t; j < B * (H + KVH); j += nt) {
           const int64_t b = j / (H + KVH), hh = j % (H + KVH);
@@ -225,21 +263,26 @@ struct DecodeModel : torch::CustomClassHolder {
           }
         }
 #pragma omp barrier
-        for (int64_t j = t; j < B * H; j += nt) {  // attention over each sequence's live prefix
-          const int64_t b = j / H, hh = j % H, g = hh / (H / KVH), start = sl[b] - ps[b];
-          attend(&qkv[b * QKV + hh * hd], kbase + start * row + g * hd, vbase + start * row + g * hd, ps[b] + 1,
-                 row, hd, sc.data(), &att[(b * H + hh) * hd]);
+        PROF_MARK(1)
+        for (int64_t b = 0; b < B; ++b) {  // attention over each sequence's live prefix, keys split over the threads
+          const int64_t n = ps[b] + 1, k0 = n * t / nt, k1 = n * (t + 1) / nt, start = sl[b] - ps[b] + k0;
+          attend_part(&qkv[b * QKV], H, KVH, kbase + start * row, vbase + start * row, k1 - k0, row, hd, sc.data(),
+                      &parts[(t * B + b) * H * (hd + 2)]);
         }
 #pragma omp barrier
-        // x += W_o . att
-        quantize(L.o, att.data(), B, q);
+        PROF_MARK(2)
+        // x += W_o . att (every thread merges the threads' partial attention states for itself)
+        for (int64_t j = 0; j < B * H; ++j) merge_parts(&parts[j * (hd + 2)], nt, B * H * (hd + 2), hd, &h[j * hd]);
+        quantize(L.o, h.data(), B, q);
         matmul(L.o, q, B, x.data(), true, t, nt);
 #pragma omp barrier
+        PROF_MARK(3)
         // gate, up = W_gate_up . norm(x)
         rms_norm(x.data(), L.post_norm.data_ptr<float>(), h.data(), B, D, eps);
         quantize(L.gate_up, h.data(), B, q);
         matmul(L.gate_up, q, B, gu.data(), false, t, nt);
 #pragma omp barrier
+        PROF_MARK(4)
         // x += W_down . (silu(gate) * up)
         for (int64_t b = 0; b < B; ++b)
           for (int64_t i = 0; i < I; ++i) {
@@ -249,11 +292,21 @@ struct DecodeModel : torch::CustomClassHolder {
         quantize(L.down, h.data(), B, q);
         matmul(L.down, q, B, x.data(), true, t, nt);
 #pragma omp barrier
+        PROF_MARK(5)
       }
       rms_norm(x.data(), norm.data_ptr<float>(), h.data(), B, D, eps);
       quantize(lm_head, h.data(), B, q);
       matmul(lm_head, q, B, logits.data_ptr<float>(), false, t, nt);
+        PROF_MARK(6)
     }
+#ifdef O3_PROFILE
+    if (++g_steps % 200 == 0) {
+      std::fprintf(stderr, "native step phases (ms/step, thread 0): qkv %.3f rope+kv %.3f attn %.3f o %.3f gate_up %.3f down %.3f head %.3f\n",
+                   g_prof[0] * 1e3 / 200, g_prof[1] * 1e3 / 200, g_prof[2] * 1e3 / 200, g_prof[3] * 1e3 / 200, g_prof[4] * 1e3 / 200,
+                   g_prof[5] * 1e3 / 200, g_prof[6] * 1e3 / 200);
+      for (double& v : g_prof) v = 0;
+    }
+#endif
     return logits;
   }
 };
