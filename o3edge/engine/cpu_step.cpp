@@ -107,16 +107,33 @@ void rope(float* x, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
+// A run of consecutive cache slots holding consecutive key positions: (first slot, length)
+using Run = std::pair<int64_t, int64_t>;
+
+// key positions [k0, k1) of a sequence whose block table is `table` (block ids) -> runs of consecutive slots
+void slot_runs(const int64_t* table, int64_t bs, int64_t k0, int64_t k1, std::vector<Run>& runs) {
+  runs.clear();
+  for (int64_t t = k0; t < k1;) {
+    const int64_t slot = table[t / bs] * bs + t % bs, len = std::min(bs - t % bs, k1 - t);
+    if (!runs.empty() && runs.back().first + runs.back().second == slot) runs.back().second += len;
+    else runs.emplace_back(slot, len);
+    t += len;
+  }
+}
+
 // Split-K attention: each thread takes a share of a sequence's keys for all heads, so every key and value row is
 // read once, front to back, by one thread. The H query heads q [H, hd] (head h reads KV group h / (H / KVH))
-// against key/value rows [0, n) of `row` floats (KVH heads of hd) -> per head the partial softmax state: the
-// unnormalized sum acc [hd], max m and sum l (part: H rows of hd + 2 floats). n may be 0. sc: H * n floats.
-void attend_part(const float* q, int64_t H, int64_t KVH, const float* k, const float* v, int64_t n, int64_t row,
-                 int64_t hd, float* sc, float* part) {
+// against the key/value rows of the runs (rows of `row` floats: KVH heads of hd) -> per head the partial softmax
+// state: the unnormalized sum acc [hd], max m and sum l (part: H rows of hd + 2 floats). n (the runs' total
+// length) may be 0. sc: H * n floats.
+void attend_part(const float* q, int64_t H, int64_t KVH, const float* kbase, const float* vbase,
+                 const std::vector<Run>& runs, int64_t n, int64_t row, int64_t hd, float* sc, float* part) {
   const int64_t rep = H / KVH, nv = hd / 16;
   const float scale = 1.0f / std::sqrt((float)hd);
-  for (int64_t t = 0; t < n; ++t) {  // scores
-    const float* kt = k + t * row;
+  int64_t t = 0;
+  for (const Run& run : runs)
+  for (int64_t i = 0; i < run.second; ++i, ++t) {  // scores
+    const float* kt = kbase + (run.first + i) * row;
     for (int64_t h = 0; h < H; ++h) {
       const float* qh = q + h * hd;
       const float* kh = kt + (h / rep) * hd;
@@ -137,8 +154,10 @@ void attend_part(const float* q, int64_t H, int64_t KVH, const float* k, const f
     for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
     out[hd] = m, out[hd + 1] = sum;
   }
-  for (int64_t t = 0; t < n; ++t) {  // weighted values
-    const float* vt = v + t * row;
+  t = 0;
+  for (const Run& run : runs)
+  for (int64_t i = 0; i < run.second; ++i, ++t) {  // weighted values
+    const float* vt = vbase + (run.first + i) * row;
     for (int64_t h = 0; h < H; ++h) {
       const float* vh = vt + (h / rep) * hd;
       float* out = part + h * (hd + 2);
@@ -207,10 +226,12 @@ struct DecodeModel : torch::CustomClassHolder {
     TORCH_CHECK(hd % 16 == 0 && hd <= 256, "head_dim must be a multiple of 16 and <= 256");
   }
 
-  // ids, positions, slots: [B] int64; cos, sin: [max_len, hd] float32; kv_cache [L, 2, S, KVH, hd] float32
-  // -> logits [B, V] float32. Writes each new token's keys and values at its slot; sequence b's keys are slots
-  // [slot - position, slot] (consecutive, cpu_decode.CpuDecode).
-  Tensor step(Tensor ids, Tensor positions, Tensor slots, Tensor cos, Tensor sin, Tensor kv_cache) {
+  // ids, positions, slots: [B] int64; tables: [B, blocks] int64, the block ids holding each sequence's keys
+  // (block_size slots each; a sequence's new token is at `position` and is written to `slot`); cos, sin:
+  // [max_len, hd] float32; kv_cache [L, 2, S, KVH, hd] float32 -> logits [B, V] float32. threads: how many
+  // (at most torch's thread count; <= 0: all of them).
+  Tensor step(Tensor ids, Tensor positions, Tensor slots, Tensor tables, int64_t block_size, Tensor cos, Tensor sin,
+              Tensor kv_cache, int64_t threads) {
     TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat, "kv_cache: contiguous float32");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat, "rope tables");
     const int64_t B = ids.size(0), S = kv_cache.size(2), row = KVH * hd, QKV = (H + 2 * KVH) * hd;
@@ -218,8 +239,15 @@ struct DecodeModel : torch::CustomClassHolder {
     const int64_t* ps = positions.data_ptr<int64_t>();
     const int64_t* sl = slots.data_ptr<int64_t>();
     int64_t maxlen = 0;
+    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && tables.is_contiguous() && tables.scalar_type() == at::kLong &&
+                block_size > 0, "step: tables must be int64 [B, blocks]");
+    const int64_t nb = tables.size(1);
+    const int64_t* tb = tables.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(sl[b] >= ps[b] && sl[b] < S && idp[b] >= 0 && idp[b] < V, "step: slot or id out of range");
+      TORCH_CHECK(sl[b] >= 0 && sl[b] < S && idp[b] >= 0 && idp[b] < V && ps[b] / block_size < nb,
+                  "step: slot, id or position out of range");
+      for (int64_t j = 0; j <= ps[b] / block_size; ++j)
+        TORCH_CHECK(tb[b * nb + j] >= 0 && (tb[b * nb + j] + 1) * block_size <= S, "step: block out of range");
       maxlen = std::max(maxlen, ps[b] + 1);
     }
     auto logits = at::empty({B, V}, embed.options().dtype(at::kFloat));
@@ -228,7 +256,8 @@ struct DecodeModel : torch::CustomClassHolder {
     for (int64_t b = 0; b < B; ++b) std::memcpy(&x[b * D], E + idp[b] * D, D * sizeof(float));
     float* kv = kv_cache.data_ptr<float>();
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-    const int T = std::max(1, std::min<int>(at::get_num_threads(), 64));
+    const int all = std::max(1, std::min<int>(at::get_num_threads(), 64));
+    const int T = threads > 0 ? std::min<int>(threads, all) : all;
     const int64_t rep = H / KVH;
     std::vector<float> parts(T * B * H * (hd + 2));  // split-K attention: each thread's partial states
 #pragma omp parallel num_threads(T)
@@ -239,6 +268,11 @@ struct DecodeModel : torch::CustomClassHolder {
       auto last_ = std::chrono::steady_clock::now();
 #endif
       std::vector<float> h(B * std::max({D, I, H * hd})), sc(H * (maxlen / nt + 2));
+      std::vector<std::vector<Run>> runs(B);  // this thread's share of each sequence's keys
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t n = ps[b] + 1;
+        slot_runs(tb + b * nb, block_size, n * t / nt, n * (t + 1) / nt, runs[b]);
+      }
       for (size_t li = 0; li < layers.size(); ++li) {
         const Layer& L = layers[li];
         float* kbase = kv + li * 2 * S * row;
@@ -265,8 +299,8 @@ struct DecodeModel : torch::CustomClassHolder {
 #pragma omp barrier
         PROF_MARK(1)
         for (int64_t b = 0; b < B; ++b) {  // attention over each sequence's live prefix, keys split over the threads
-          const int64_t n = ps[b] + 1, k0 = n * t / nt, k1 = n * (t + 1) / nt, start = sl[b] - ps[b] + k0;
-          attend_part(&qkv[b * QKV], H, KVH, kbase + start * row, vbase + start * row, k1 - k0, row, hd, sc.data(),
+          const int64_t n = ps[b] + 1;
+          attend_part(&qkv[b * QKV], H, KVH, kbase, vbase, runs[b], n * (t + 1) / nt - n * t / nt, row, hd, sc.data(),
                       &parts[(t * B + b) * H * (hd + 2)]);
         }
 #pragma omp barrier
