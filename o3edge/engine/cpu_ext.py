@@ -5,7 +5,9 @@ instruction): `int8_linear` and `int4_linear` (weight-only INT8 per row / INT4 p
 quantized per group of columns to int8 on entry; weights laid out 16 rows at a time, so one 64-byte
 load feeds 16 output rows) and `span_attention` (a decode step's KV write and attention over each
 sequence's live prefix, no Python per call). They are torch operators (`torch.ops.o3edge_cpu.*`) with
-shape functions, so torch.compile traces them into the compiled decode step.
+shape functions, so torch.compile traces them into the compiled decode step. The same library holds the
+native decode step (cpu_step.cpp, `torch.classes.o3edge_cpu.DecodeModel`, see cpu_step.py), which runs the
+row kernels of cpu_kernels.h for a whole step.
 
 The library is compiled with g++ (-O3 -march=native) by torch.utils.cpp_extension (ninja) into
 <user cache>/o3edge/cpu_ext/<hash of source and torch version>, about 30 s once; later processes load
