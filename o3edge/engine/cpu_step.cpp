@@ -146,7 +146,17 @@ void attend_part(const float* q, int64_t H, int64_t KVH, const float* kbase, con
     float* s = sc + h * n;
     float m = -INFINITY, sum = 0.f;
     for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-    for (int64_t t = 0; t < n; ++t) {
+    using Vec = at::vec::Vectorized<float>;
+    const Vec vm(m);
+    Vec vsum(0.f);
+    int64_t t = 0;
+    for (; t + Vec::size() <= n; t += Vec::size()) {
+      const Vec e = (Vec::loadu(s + t) - vm).exp_u20();
+      e.store(s + t);
+      vsum = vsum + e;
+    }
+    sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+    for (; t < n; ++t) {
       s[t] = std::exp(s[t] - m);
       sum += s[t];
     }
