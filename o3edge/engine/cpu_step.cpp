@@ -97,6 +97,17 @@ void rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t n, fl
   }
 }
 
+// out = silu(gate) * up, n floats
+void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec g = Vec::loadu(gate + i);
+    (g / (Vec(1.f) + g.neg().exp()) * Vec::loadu(up + i)).store(out + i);
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
 // rotate-half RoPE of one head in place; cos, sin: the position's rows [hd]
 void rope(float* x, const float* cos, const float* sin, int64_t hd) {
   const int64_t half = hd / 2;
@@ -328,11 +339,7 @@ struct DecodeModel : torch::CustomClassHolder {
 #pragma omp barrier
         PROF_MARK(4)
         // x += W_down . (silu(gate) * up)
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t i = 0; i < I; ++i) {
-            const float g = gu[b * 2 * I + i];
-            h[b * I + i] = g / (1.f + std::exp(-g)) * gu[b * 2 * I + I + i];
-          }
+        for (int64_t b = 0; b < B; ++b) silu_mul(&gu[b * 2 * I], &gu[b * 2 * I + I], &h[b * I], I);
         quantize(L.down, h.data(), B, q);
         matmul(L.down, q, B, x.data(), true, t, nt);
 #pragma omp barrier
