@@ -3,6 +3,16 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+// max |x[i]|, i < n
+static inline float abs_max(const float* x, int64_t n) {
+  __m512 m = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  float r = _mm512_reduce_max_ps(m);
+  for (; i < n; ++i) r = std::max(r, std::abs(x[i]));
+  return r;
+}
+
 // ---- INT4 weights x INT8 activations (AVX-512 VNNI) ------------------------------------------------------
 // Weight layout ("rows16"): packed uint8 [N/16, Kp/8, 64]; in the 64 bytes of row block rb and k-octet o, byte
 // r*4 + j holds row rb*16+r: column 8o+j in the low nibble, column 8o+4+j in the high one (q in 0..15).
@@ -107,8 +117,7 @@ static inline void quantize_s8(const float* xp, int64_t M, int64_t K, int64_t Kp
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < NG; ++g) {
       const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
-      float amax = 0.f;
-      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::abs(xp[m * K + k]));
+      const float amax = abs_max(xp + m * K + k0, k1 - k0);
       const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       int32_t sum = 0;
       for (int64_t k = k0; k < k0 + G; ++k) {
@@ -127,8 +136,7 @@ static inline void quantize_u8(const float* xp, int64_t M, int64_t K, int64_t G,
   const int64_t NG = K / G;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < NG; ++g) {
-      float amax = 0.f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) amax = std::max(amax, std::abs(xp[m * K + k]));
+      const float amax = abs_max(xp + m * K + g * G, G);
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       xs[m * NG + g] = amax / 127.f;
       for (int64_t k = g * G; k < (g + 1) * G; ++k)

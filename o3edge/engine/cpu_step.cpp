@@ -90,8 +90,13 @@ void matmul(const Linear& l, const Quantized& q, int64_t M, float* out, bool add
 // y = x / rms(x) * w, rows of n
 void rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t n, float eps) {
   for (int64_t m = 0; m < M; ++m) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) ss += x[m * n + i] * x[m * n + i];
+    using Vec = at::vec::Vectorized<float>;
+    const float* xm = x + m * n;
+    Vec acc(0.f);
+    int64_t i = 0;
+    for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(xm + i), Vec::loadu(xm + i), acc);
+    float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+    for (; i < n; ++i) ss += xm[i] * xm[i];
     const float r = 1.f / std::sqrt(ss / n + eps);
     for (int64_t i = 0; i < n; ++i) y[m * n + i] = x[m * n + i] * r * w[i];
   }
