@@ -50,6 +50,7 @@ class O3Config:
     min_batch_size: int = 1
     num_threads: int | None = None  # CPU threads for torch; None: physical cores, at most 8 (cpu_decode.py)
     cpu_compile: bool = False  # CPU quantized engines: decode through a torch.compile'd step (cpu_compiled.py)
+    cpu_native_step: bool = True  # CPU VNNI engines: decode as one C++ call (cpu_step.py); before cpu_compile
     seed: int = 0
     backend: str = "torch"  # "onnxruntime": serve an `o3edge export` directory through ONNX Runtime
     policy: Policy = field(default_factory=Policy)  # classes, queue bounds, request limits (o3edge.policy)

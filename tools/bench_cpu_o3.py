@@ -59,6 +59,12 @@ def profile_steps(engine, prompt: list[int], top: int) -> list[dict]:
                  share=e.self_cpu_time_total / total) for e in events[:top]]
 
 
+def step_kind(engine) -> str:
+    """Which decode step the engine runs: native (cpu_step.py), compiled (cpu_compiled.py) or eager."""
+    cd = getattr(engine.runner, "cpu_decode", None)
+    return "eager" if cd is None else "native" if cd.native else "compiled" if cd.compiled else "eager"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -71,6 +77,7 @@ def main() -> None:
     ap.add_argument("--label", default=None)
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--compile", action="store_true", help="[engine] cpu_compile: the compiled decode step")
+    ap.add_argument("--no-native", action="store_true", help="[engine] cpu_native_step = false")
     ap.add_argument("--out")
     a = ap.parse_args()
     prompt = json.load(open(a.prompt))
@@ -82,7 +89,7 @@ def main() -> None:
 
     engine = O3Model.from_config(O3Config(model_path=a.model, device="cpu", dtype=a.dtype, num_threads=a.threads,
                                           kv_cache_memory_mb=64, max_model_len=1024,
-                                          cpu_compile=a.compile)).engine
+                                          cpu_compile=a.compile, cpu_native_step=not a.no_native)).engine
     load_s = time.perf_counter() - t
     rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     prompts = [prompt[16 * i:] + prompt[:16 * i] for i in range(a.warmup + a.runs)]
@@ -96,7 +103,7 @@ def main() -> None:
     res = dict(system="o3edge", label=a.label or os.path.basename(a.model.rstrip("/")),
                model=os.path.abspath(a.model), prompt_len=len(prompt), new_tokens=a.new, threads=a.threads,
                dtype=engine.info.dtype, timing="wall clock (perf_counter) around add_request + LLMEngine.step",
-               load_s=load_s, cpu_compile=a.compile, rss_after_load_mb=rss_after_load, peak_rss_mb=peak,
+               load_s=load_s, cpu_compile=a.compile, cpu_native_step=not a.no_native, step=step_kind(engine), rss_after_load_mb=rss_after_load, peak_rss_mb=peak,
                loadavg_start=load0, loadavg_end=os.getloadavg(), torch=torch.__version__,
                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),
                capability=torch.backends.cpu.get_cpu_capability(), summary=summary, runs=runs)

@@ -6,8 +6,9 @@
 # whole generations timed from outside the engine, peak RSS of the process. PASSES rounds, each system once
 # per round, so slow phases of this shared machine hit every system alike.
 # Usage: [PASSES=3] [THREADS=2] [FP32=1] [COMPILE=0] bash tools/bench_cpu_peers.sh [OUT_DIR] [JSON]
-#   FP32=0: no float32 row; COMPILE=1: cpu-int8 and cpu-int4 rows with [engine] cpu_compile (their load includes
-#   compiling or loading the Inductor cache, which is not timed in the table)
+#   The cpu-int8 and cpu-int4 rows run the engine's default decode step (the native one, cpu_step.py, where it
+#   applies). FP32=0: no float32 row; COMPILE=1: cpu-int8 and cpu-int4 rows with [engine] cpu_compile and the
+#   native step off (their load includes compiling or loading the Inductor cache, which is not timed in the table)
 set -euo pipefail
 WORK=${WORK:-/tmp/peer-cpu}
 PASSES=${PASSES:-3}
@@ -39,8 +40,8 @@ for p in $(seq 1 "$PASSES"); do
   o3 "o3edge cpu-int8" "$WORK/o3/smol-135m-cpu-int8" "$p"
   llama "llama.cpp Q8_0" Q8_0 "$p"
   o3 "o3edge cpu-int4" "$WORK/o3/smol-135m-cpu-int4" "$p"
-  [ "${COMPILE:-0}" = 0 ] || o3 "o3edge cpu-int8 compiled" "$WORK/o3/smol-135m-cpu-int8" "$p" --compile
-  [ "${COMPILE:-0}" = 0 ] || o3 "o3edge cpu-int4 compiled" "$WORK/o3/smol-135m-cpu-int4" "$p" --compile
+  [ "${COMPILE:-0}" = 0 ] || o3 "o3edge cpu-int8 compiled" "$WORK/o3/smol-135m-cpu-int8" "$p" --compile --no-native
+  [ "${COMPILE:-0}" = 0 ] || o3 "o3edge cpu-int4 compiled" "$WORK/o3/smol-135m-cpu-int4" "$p" --compile --no-native
   [ "${FP32:-1}" = 0 ] || o3 "o3edge fp32" "$CKPT" "$p"
 done
 $PY "$HERE/bench_cpu_report.py" "$OUT" --json "$JSON" \

@@ -32,29 +32,41 @@ class CpuDecode:
         self.block_size, self.max_batch = block_size, max_batch
         self.fast_forward = fast_forward  # run decode_forward instead of the model's own forward
         self.compiled = None  # cpu_compiled.CompiledDecode when [engine] cpu_compile is on
+        self.native = None  # cpu_step.NativeDecode when [engine] cpu_native_step applies (taken first)
 
     def prepare(self, batch):
-        """(input ids [B], positions [B], StepBatch with kv_spans) or None."""
+        """(input ids [B], positions [B], StepBatch with kv_spans) or None. With the native step (cpu_step.py),
+        the StepBatch carries the block tables instead, and sequences whose blocks are scattered fit too."""
         if len(batch) > self.max_batch or any(n != 1 for _, n in batch):
             return None
-        bs = self.block_size
-        ids, pos, slots, spans = [], [], [], []
+        bs, native = self.block_size, self.native is not None
+        ids, pos, slots, spans, tables = [], [], [], [], []
         for seq, _ in batch:
             p = seq.num_computed_tokens  # position of the new token; keys are [0, p]
-            start = contiguous_start(seq.block_table, p // bs + 1)
-            if start is None:
+            nb = p // bs + 1
+            start = None if native else contiguous_start(seq.block_table, nb)
+            if start is None and not native:
                 return None
             ids.append(seq.token_ids[p])
             pos.append(p)
-            slots.append(start * bs + p)
-            spans.append((start * bs, start * bs + p + 1))
+            slots.append(seq.block_table[nb - 1] * bs + p % bs)
+            if native:
+                tables.append(seq.block_table[:nb])
+            else:
+                spans.append((start * bs, start * bs + p + 1))
         from o3edge.engine.model import StepBatch  # model.py imports span_attention from here
 
         B = len(batch)
         slot_mapping = torch.tensor(slots)
         arange = torch.arange(B)
-        step = StepBatch(slot_mapping=slot_mapping, q_dest=arange, kv_slots=slot_mapping[:, None], attn_mask=None,
-                         num_seqs=B, max_q=1, logits_index=arange, dense=True, kv_spans=tuple(spans))
+        if native:
+            width = max(len(t) for t in tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            step = StepBatch(slot_mapping=slot_mapping, q_dest=arange, kv_slots=None, attn_mask=None, num_seqs=B,
+                             max_q=1, logits_index=arange, dense=True, tables=table, block_size=bs)
+        else:
+            step = StepBatch(slot_mapping=slot_mapping, q_dest=arange, kv_slots=slot_mapping[:, None], attn_mask=None,
+                             num_seqs=B, max_q=1, logits_index=arange, dense=True, kv_spans=tuple(spans))
         return torch.tensor(ids), torch.tensor(pos), step
 
 

@@ -5,7 +5,9 @@ instruction): `int8_linear` and `int4_linear` (weight-only INT8 per row / INT4 p
 quantized per group of columns to int8 on entry; weights laid out 16 rows at a time, so one 64-byte
 load feeds 16 output rows) and `span_attention` (a decode step's KV write and attention over each
 sequence's live prefix, no Python per call). They are torch operators (`torch.ops.o3edge_cpu.*`) with
-shape functions, so torch.compile traces them into the compiled decode step.
+shape functions, so torch.compile traces them into the compiled decode step. The same library holds the
+native decode step (cpu_step.cpp, `torch.classes.o3edge_cpu.DecodeModel`, see cpu_step.py), which runs the
+row kernels of cpu_kernels.h for a whole step.
 
 The library is compiled with g++ (-O3 -march=native) by torch.utils.cpp_extension (ninja) into
 <user cache>/o3edge/cpu_ext/<hash of source and torch version>, about 30 s once; later processes load
@@ -29,6 +31,7 @@ from o3edge.engine.cpu_quant import cpu_features
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [SOURCE, SOURCE.with_name("cpu_step.cpp"), SOURCE.with_name("cpu_kernels.h")]  # the step: cpu_step.py
 NEEDS = {"avx512f", "avx512bw", "avx512_vnni"}
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
 
@@ -36,7 +39,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU
 def build_dir() -> Path:
     """<XDG cache or ~/.cache>/o3edge/cpu_ext/<hash>: one build per source, torch version and flags."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_CFLAGS).encode())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + " ".join(_CFLAGS).encode())
     return Path(base) / "o3edge" / "cpu_ext" / key.hexdigest()[:16]
 
 
@@ -54,7 +57,7 @@ def available() -> bool:
 
         path = build_dir()
         path.mkdir(parents=True, exist_ok=True)
-        load(name="o3edge_cpu_" + path.name, sources=[str(SOURCE)], build_directory=str(path),
+        load(name="o3edge_cpu_" + path.name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"], build_directory=str(path),
              extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: torch's kernels still work
         log.warning("o3edge CPU kernels unavailable (%s); using torch's kernels", str(exc).splitlines()[0][:200])

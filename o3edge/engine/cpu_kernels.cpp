@@ -82,53 +82,7 @@ Tensor span_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor&
 }
 
 
-#include <immintrin.h>
-
-// ---- INT4 weights x INT8 activations (AVX-512 VNNI) ------------------------------------------------------
-// Weight layout ("rows16"): packed uint8 [N/16, Kp/8, 64]; in the 64 bytes of row block rb and k-octet o, byte
-// r*4 + j holds row rb*16+r: column 8o+j in the low nibble, column 8o+4+j in the high one (q in 0..15).
-// scales, zeros: bf16 [Kp/G, N]; w = (q - 8) * scale + zero (o3edge/engine/quant.py's scheme).
-// Activations are quantized per group of G columns to int8 (symmetric, scale max|x|/127) on entry.
-
-static inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
-  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-// MB activation rows m0.. against one block of 16 weight rows: each weight load and unpack serves MB rows
-template <int MB>
-static inline void int4_rows(const uint8_t* wb, const int8_t* xq, const float* xs, const int32_t* xsum,
-                             const at::BFloat16* sp, const at::BFloat16* zp, float* op, int64_t m0, int64_t rb,
-                             int64_t N, int64_t Kp, int64_t NG, int64_t per_group) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  __m512 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < NG; ++g) {
-    __m512i ai[MB];
-    for (int i = 0; i < MB; ++i) ai[i] = _mm512_setzero_si512();
-    const uint8_t* w = wb + g * per_group * 64;
-    for (int64_t o = 0; o < per_group; ++o) {
-      const __m512i v = _mm512_loadu_si512(w + o * 64);
-      const __m512i lo = _mm512_and_si512(v, mask);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-      for (int i = 0; i < MB; ++i) {
-        const int32_t* xg = reinterpret_cast<const int32_t*>(xq + (m0 + i) * Kp) + (g * per_group + o) * 2;
-        ai[i] = _mm512_dpbusd_epi32(ai[i], lo, _mm512_set1_epi32(xg[0]));
-        ai[i] = _mm512_dpbusd_epi32(ai[i], hi, _mm512_set1_epi32(xg[1]));
-      }
-    }
-    const __m512 sc = bf16x16_to_f32(sp + g * N + rb * 16);
-    const __m512 ze = bf16x16_to_f32(zp + g * N + rb * 16);
-    for (int i = 0; i < MB; ++i) {
-      const float s = xs[(m0 + i) * NG + g];
-      const int32_t xsm = xsum[(m0 + i) * NG + g];
-      const __m512i a = _mm512_sub_epi32(ai[i], _mm512_set1_epi32(8 * xsm));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sc, _mm512_set1_ps(s)), acc[i]);
-      acc[i] = _mm512_fmadd_ps(ze, _mm512_set1_ps(s * (float)xsm), acc[i]);
-    }
-  }
-  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(op + (m0 + i) * N + rb * 16, acc[i]);
-}
+#include "cpu_kernels.h"
 
 Tensor int4_linear(const Tensor& x_in, const Tensor& packed, const Tensor& scales, const Tensor& zeros,
                    int64_t group_size, int64_t out_features) {
@@ -138,27 +92,10 @@ Tensor int4_linear(const Tensor& x_in, const Tensor& packed, const Tensor& scale
   TORCH_CHECK(G % 8 == 0 && Kp % G == 0 && K <= Kp, "int4_linear: bad group size");
   auto x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
-  // quantize activations per group
-  std::vector<int8_t> xq(M * Kp, 0);
+  std::vector<int8_t> xq(M * Kp);
   std::vector<float> xs(M * NG);
   std::vector<int32_t> xsum(M * NG);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < NG; ++g) {
-      const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
-      float amax = 0.f;
-      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::abs(xp[m * K + k]));
-      const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        const int32_t q = (int32_t)std::nearbyint(xp[m * K + k] * inv);
-        xq[m * Kp + k] = (int8_t)q;
-        sum += q;
-      }
-      xs[m * NG + g] = s;
-      xsum[m * NG + g] = sum;
-    }
-  }
+  quantize_s8(x.data_ptr<float>(), M, K, Kp, G, xq.data(), xs.data(), xsum.data());
   auto out = at::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -201,47 +138,6 @@ Tensor int4_pack_rows16(const Tensor& qweight) {
   return out;
 }
 
-// ---- INT8 weights x INT8 activations (AVX-512 VNNI) ------------------------------------------------------
-// Weight layout: packed int8 [N/16, K/4, 64]: byte r*4 + j of row block rb and k-quad o is w[rb*16+r][4o+j].
-// wsum int32 [K/G, N]: per group sums of the row's int8 weights; scales float32 [N]: w ~ q * scale[row].
-// Activations are quantized per group of G columns to int8 and fed to vpdpbusd as x + 128 (unsigned); the
-// 128 * sum(w) that adds is taken out per group.
-template <int MB>
-static inline void int8_rows(const int8_t* wb, const uint8_t* xu, const float* xs, const int32_t* ws,
-                             const float* sp, float* op, int64_t m0, int64_t rb, int64_t N, int64_t K, int64_t NG,
-                             int64_t per_group) {
-  __m512 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < NG; ++g) {
-    __m512i a0[MB], a1[MB];
-    for (int i = 0; i < MB; ++i) a0[i] = a1[i] = _mm512_setzero_si512();
-    const int8_t* w = wb + g * per_group * 64;
-    int64_t o = 0;
-    for (; o + 2 <= per_group; o += 2) {
-      const __m512i w0 = _mm512_loadu_si512(w + o * 64), w1 = _mm512_loadu_si512(w + o * 64 + 64);
-      for (int i = 0; i < MB; ++i) {
-        const int32_t* xg = reinterpret_cast<const int32_t*>(xu + (m0 + i) * K) + g * per_group + o;
-        a0[i] = _mm512_dpbusd_epi32(a0[i], _mm512_set1_epi32(xg[0]), w0);
-        a1[i] = _mm512_dpbusd_epi32(a1[i], _mm512_set1_epi32(xg[1]), w1);
-      }
-    }
-    for (; o < per_group; ++o) {
-      const __m512i w0 = _mm512_loadu_si512(w + o * 64);
-      for (int i = 0; i < MB; ++i) {
-        const int32_t* xg = reinterpret_cast<const int32_t*>(xu + (m0 + i) * K) + g * per_group + o;
-        a0[i] = _mm512_dpbusd_epi32(a0[i], _mm512_set1_epi32(xg[0]), w0);
-      }
-    }
-    const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(ws + g * N + rb * 16), 7);
-    for (int i = 0; i < MB; ++i) {
-      const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(a0[i], a1[i]), corr);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(xs[(m0 + i) * NG + g]), acc[i]);
-    }
-  }
-  const __m512 s = _mm512_loadu_ps(sp + rb * 16);
-  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(op + (m0 + i) * N + rb * 16, _mm512_mul_ps(acc[i], s));
-}
-
 Tensor int8_linear(const Tensor& x_in, const Tensor& packed, const Tensor& wsum, const Tensor& scales,
                    int64_t group_size) {
   const int64_t K = x_in.size(-1), N = packed.size(0) * 16, G = group_size, NG = K / G;
@@ -251,16 +147,7 @@ Tensor int8_linear(const Tensor& x_in, const Tensor& packed, const Tensor& wsum,
   const int64_t M = x.size(0);
   std::vector<uint8_t> xu(M * K);
   std::vector<float> xs(M * NG);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < NG; ++g) {
-      float amax = 0.f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) amax = std::max(amax, std::abs(xp[m * K + k]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      xs[m * NG + g] = amax / 127.f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k)
-        xu[m * K + k] = (uint8_t)((int32_t)std::nearbyint(xp[m * K + k] * inv) + 128);
-    }
+  quantize_u8(x.data_ptr<float>(), M, K, G, xu.data(), xs.data());
   auto out = at::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();

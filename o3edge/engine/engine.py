@@ -133,7 +133,8 @@ class LLMEngine:
         if device.type == "cuda" and config.cuda_graphs and not onnx and config.kv_router == "off":
             self.runner.enable_static_decode(config.max_num_seqs, capture=True,
                                              max_prefill_tokens=config.max_num_batched_tokens)
-        if device.type == "cpu" and config.cpu_compile and not onnx:
+        native = device.type == "cpu" and config.cpu_native_step and not onnx and self.runner.enable_cpu_native()
+        if device.type == "cpu" and config.cpu_compile and not onnx and not native:
             self.runner.enable_cpu_compile(config.max_num_seqs)
         # ONNX Runtime keeps dense KV per sequence (the pool only budgets it): no prefix sharing, no cold tier
         prefix_reuse = config.dynamic_kv_cache and not onnx

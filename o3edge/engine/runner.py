@@ -81,6 +81,15 @@ class ModelRunner:
             if self.graphs.capture:
                 self.graphs.capture_all()
 
+    def enable_cpu_native(self) -> bool:
+        """Decode steps of a quantized CPU engine as one C++ call (cpu_step.py) where it applies; whether it does."""
+        from o3edge.engine.cpu_step import NativeDecode, build
+
+        native = build(self.model, self.kv_cache) if self.cpu_decode is not None else None
+        if native is not None:
+            self.cpu_decode.native = NativeDecode(native)
+        return native is not None
+
     def enable_cpu_compile(self, max_batch: int) -> None:
         """Decode steps of a quantized CPU engine through the compiled step (cpu_compiled.py), warmed up now."""
         from o3edge.engine.cpu_compiled import CompiledDecode, compilable
@@ -127,6 +136,8 @@ class ModelRunner:
                 forward = partial(decode_forward, self.model) if fast else self.model
                 if prepared and self.cpu_decode.compiled is not None:
                     forward = self.cpu_decode.compiled
+                if prepared and self.cpu_decode.native is not None:
+                    forward = self.cpu_decode.native
                 ready()
                 logits = forward(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy (None: overwritten)

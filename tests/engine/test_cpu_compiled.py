@@ -17,7 +17,8 @@ def test_compiled_decode_matches_eager_and_never_recompiles(checkpoints, tmp_pat
 
     path = str(tmp_path / preset)
     build_engine_dir(checkpoints(variant), path, torch.bfloat16, None, preset=preset)
-    engine = O3Model.from_config(O3Config(model_path=path, device="cpu", kv_block_size=8, cpu_compile=True)).engine
+    engine = O3Model.from_config(O3Config(model_path=path, device="cpu", kv_block_size=8, cpu_compile=True,
+                                          cpu_native_step=False)).engine
     runner = engine.runner
     compiled = runner.cpu_decode.compiled
     assert compiled is not None and set(compiled.warmup_seconds) == {1, 2, 3}
