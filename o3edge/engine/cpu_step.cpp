@@ -1,6 +1,6 @@
 // o3edge's native CPU decode step (see o3edge/engine/cpu_step.py): a whole decode step of a quantized
 // llama-family model (one new token per sequence) in one OpenMP parallel region. Every matmul splits its
-// 16-row weight blocks over the threads, attention splits its heads, and the threads meet at a barrier
+// 16-row weight blocks over the threads, attention splits the keys, and the threads meet at a barrier
 // between phases; activations are normed and quantized by every thread for itself (a few hundred floats),
 // residual adds are fused into the matmul that produces them.
 #include <ATen/ATen.h>

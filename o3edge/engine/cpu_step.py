@@ -1,8 +1,9 @@
-"""The native CPU decode step (`[engine] cpu_step = "native"`): a quantized engine's whole decode step as
-one C++ call (cpu_step.cpp), no torch operators between its kernels.
+"""The native CPU decode step (`[engine] cpu_native_step`, on by default): a quantized engine's whole decode
+step as one C++ call (cpu_step.cpp), no torch operators between its kernels.
 
 One OpenMP parallel region runs the 30-odd layers: each matmul splits its weight blocks over the threads
-(o3edge's VNNI row kernels, the same as the per-layer operators), attention splits its query heads, and
+(o3edge's VNNI row kernels, the same as the per-layer operators), attention splits the keys (each thread
+reads its share of the KV rows once, for every head, and the partial softmax states are merged), and
 the threads meet at five barriers a layer; norms and activation quantization run in every thread for
 itself, residual adds are fused into the matmuls. Against the compiled step (`cpu_compile`) it has no
 Dynamo guards, no compiler import (~200 MB of RSS) and no compile at start-up.
