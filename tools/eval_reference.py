@@ -173,10 +173,10 @@ def table(rows: list, max_diff: float | None, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: str, section: str) -> None:
-    """Replace this tool's section of the benchmarks file (others' sections stay), or append it."""
+def write_section(path: str, section: str, heading: str = SECTION) -> None:
+    """Replace the section under `heading` (this tool's by default; others stay), or append it."""
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# o3edge benchmarks\n"
-    pattern = re.compile(re.escape(SECTION) + r".*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(re.escape(heading) + r".*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text, count=1)
     else:

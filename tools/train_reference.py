@@ -3,6 +3,13 @@
 
   python tools/train_reference.py --device cuda --out OUT_DIR            # the shipped model (GPU, minutes)
   python tools/train_reference.py --tiny --device cpu --steps 40 --out D  # the test suite's smoke run
+  python tools/train_reference.py --shape long --device cuda --out OUT_DIR  # 4,096-token window, chat
+
+--shape long trains the long-context model: a 4,096-token window (RoPE base 100,000) on a mix of the
+corpus packed into 4,096-token rows, pass-key retrieval examples and chat-formatted documentation
+Q/A pairs (tools/long_mix.py), keeps the checkpoint with the best validation language + answer loss,
+and reports pass-key accuracy by length and depth and chat accuracy on held-out names
+(tools/skills_eval.py).
 
 Data: tools/reference_corpus.py (the packed corpus in .corpus/ when present, else this machine's
 python3.X-doc reST sources and stdlib docstrings). Output: a Hugging Face checkpoint that transformers
@@ -31,7 +38,10 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(TOOLS))
 sys.path.insert(0, TOOLS)
 
+import doc_qa  # noqa: E402
 import reference_corpus  # noqa: E402
+import skills_eval  # noqa: E402
+from long_mix import Mix  # noqa: E402
 from o3edge.tiny import CHATML, SPECIALS, hf_config, save_weights, train_tokenizer  # noqa: E402
 
 log = logging.getLogger("train_reference")
@@ -42,8 +52,15 @@ SHAPES = {
                 intermediate_size=896, seq_len=1024, batch_size=32, lr=1.5e-3, dropout=0.15, steps=3000),
     "tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                  intermediate_size=128, seq_len=64, batch_size=8, lr=3e-3, dropout=0.0, steps=40),
+    # 25.7 M parameters: ~27 MB as bf16 attention + INT4 FFN (group 32), within the 40 MB the issue allows
+    "long": dict(vocab_size=6144, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
+                 intermediate_size=1408, seq_len=4096, batch_size=16, lr=1e-3, dropout=0.1, steps=2000,
+                 rope_theta=100000.0, long=True),
+    "tiny-long": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=128, seq_len=256, batch_size=8, lr=3e-3, dropout=0.0, steps=20,
+                      rope_theta=100000.0, long=True),
 }
-ROPE_THETA = 10000.0
+ROPE_THETA = 10000.0  # the shapes' default
 RMS_EPS = 1e-5
 
 
@@ -121,7 +138,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(s) for _ in range(s["num_layers"]))
         self.norm = RMSNorm(s["hidden_size"])
         hd = s["hidden_size"] // s["num_heads"]
-        inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        inv_freq = 1.0 / s.get("rope_theta", ROPE_THETA) ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
         freqs = torch.outer(torch.arange(s["seq_len"], dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd], the rotate_half layout HF uses
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -187,7 +204,7 @@ def save_checkpoint(out: str, model: Llama, s: dict, tok, dtype: torch.dtype) ->
     """config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json."""
     os.makedirs(out, exist_ok=True)
     spec = dict(family="llama", max_position_embeddings=s["seq_len"], tie_word_embeddings=True,
-                rope_theta=ROPE_THETA, rms_norm_eps=RMS_EPS,
+                rope_theta=s.get("rope_theta", ROPE_THETA), rms_norm_eps=RMS_EPS,
                 **{k: s[k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                                      "intermediate_size")})
     cfg = hf_config(spec)
@@ -208,6 +225,20 @@ def _write_json(path: str, value: dict) -> None:
     with open(path, "w") as fh:
         json.dump(value, fh, indent=1)
         fh.write("\n")
+
+
+@torch.no_grad()
+def greedy_ids(model, ids: list[int], n: int, stop: set[int], device, autocast) -> list[int]:
+    """Greedy new tokens (no KV cache), ending after a stop token."""
+    model.eval()
+    out = []
+    for _ in range(n):
+        x = torch.tensor([(ids + out)[-model.cos.shape[0]:]], device=device)
+        with autocast():
+            out.append(int(model(x)[0, -1].argmax()))
+        if out[-1] in stop:
+            break
+    return out
 
 
 @torch.no_grad()
@@ -238,9 +269,41 @@ def make_optimizer(model: Llama, lr: float, device: torch.device) -> torch.optim
 
 
 def train_loss(step_fn, chunk, autocast) -> torch.Tensor:
+    if not isinstance(chunk, torch.Tensor):  # a long_mix.Batch: language loss + answer loss
+        return sum(mix_losses(step_fn, chunk, autocast))
     with autocast():
         logits = step_fn(chunk[:, :-1])  # [B, S, V]
     return F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
+
+
+def mix_losses(step_fn, b, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss over language targets, mean loss over answer targets) of a long_mix.Batch."""
+    ids = b.ids
+    with autocast():
+        logits = step_fn(ids[:, :-1])  # [B, S, V]
+    ce = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    lm, ans = b.lm_mask.flatten().to(ce), b.answer_mask.flatten().to(ce)
+    return (ce * lm).sum() / lm.sum().clamp(min=1), (ce * ans).sum() / ans.sum().clamp(min=1)
+
+
+def validation_batches(a, s: dict, d) -> list:
+    """Fixed pass-key and chat batches from the validation text and Q/A pairs (two batches' worth)."""
+    stream = d.valid.flatten()
+    if len(stream) < 2 * s["seq_len"] + 2 or not d.pairs[1]:
+        return []
+    vmix = Mix(d.tok, stream, d.pairs[1], s["seq_len"], a.seed + 1)
+    half = s["batch_size"] // 2
+    kinds = ["passkey"] * half + ["chat"] * (s["batch_size"] - half)
+    return [vmix.batch(s["batch_size"], kinds).to(d.train_ids.device) for _ in range(2)]
+
+
+@torch.no_grad()
+def mean_answer_loss(model, batches: list, device, autocast) -> float:
+    was_training = model.training
+    model.eval()
+    loss = sum(mix_losses(model, b, autocast)[1].item() for b in batches) / len(batches)
+    model.train(was_training)
+    return loss
 
 
 def fit_budget(max_minutes: float | None, t_start: float, per_step: float, done: int, steps: int) -> int:
@@ -273,6 +336,7 @@ class Data:
     held_all: torch.Tensor  # [W, S] every held-out document
     held_doc: torch.Tensor | None  # [W, S] the held-out documentation pages alone
     num_docs: tuple[int, int, int]  # train, validation, held out
+    pairs: tuple = ([], [], [])  # doc_qa pairs (train, validation, held out), long shapes only
 
 
 def load_data(a, s: dict, device: torch.device) -> Data:
@@ -289,6 +353,9 @@ def load_data(a, s: dict, device: torch.device) -> Data:
              windows(tokenize(tok, held_docs), s["seq_len"], a.eval_tokens),
              windows(tokenize(tok, held_doc_pages), s["seq_len"], a.eval_tokens) if held_doc_pages else None,
              (len(train_docs), len(valid_docs), len(held_docs)))
+    if s.get("long"):
+        d.pairs = doc_qa.split(doc_qa.pairs(train_docs))
+        log.info("doc Q/A pairs: %d train, %d validation, %d held out", *map(len, d.pairs))
     log.info("data: %d train docs, %d train tokens; validation %d docs, %d windows; held out %d docs, %d windows "
              "of %d tokens; %.1fs", d.num_docs[0], len(d.train_ids), d.num_docs[1], len(d.valid), d.num_docs[2],
              len(d.held_all), s["seq_len"], time.time() - t0)
@@ -308,6 +375,8 @@ class Run:
 
 def fit(a, s: dict, model: Llama, d: Data, steps: int, device: torch.device, t_start: float) -> Run:
     """The training loop; saves the checkpoint to a.out whenever the validation loss improves."""
+    mix = Mix(d.tok, d.train_ids, d.pairs[0], s["seq_len"], a.seed) if s.get("long") else None
+    val_batches = validation_batches(a, s, d) if mix else []
     opt = make_optimizer(model, s["lr"], device)
     autocast = autocast_for(device)
     step_fn = torch.compile(model) if a.compile else model
@@ -319,8 +388,11 @@ def fit(a, s: dict, model: Llama, d: Data, steps: int, device: torch.device, t_s
     t_first = None  # end of the first (compiling) step: speeds are measured from there
     model.train()
     for step in range(steps):
-        starts = torch.randint(0, len(d.train_ids) - s["seq_len"] - 1, (s["batch_size"],), generator=gen)
-        chunk = d.train_ids[starts.to(device)[:, None] + offs].long()  # [B, S+1]
+        if mix:
+            chunk = mix.batch(s["batch_size"]).to(device)
+        else:
+            starts = torch.randint(0, len(d.train_ids) - s["seq_len"] - 1, (s["batch_size"],), generator=gen)
+            chunk = d.train_ids[starts.to(device)[:, None] + offs].long()  # [B, S+1]
         lr = lr_at(step, steps, warmup, s["lr"])
         for g in opt.param_groups:
             g["lr"] = lr
@@ -351,6 +423,11 @@ def fit(a, s: dict, model: Llama, d: Data, steps: int, device: torch.device, t_s
         if done % a.eval_every == 0 or done == steps:
             val = mean_loss(model, d.valid, device, autocast, s["batch_size"])
             run.evals.append({"step": done, "valid_loss": val})
+            if val_batches:  # the long shapes choose on language + answer loss
+                answer = mean_answer_loss(model, val_batches, device, autocast)
+                run.evals[-1].update(valid_lm_loss=val, valid_answer_loss=answer)
+                log.info("eval step %d validation answer loss %.4f", done, answer)
+                val += answer
             mark = ""
             if val < run.best_valid_loss:
                 run.best_valid_loss, run.best_step, mark = val, done, " (best; saved)"
@@ -379,7 +456,8 @@ def report(a, s: dict, model: Llama, d: Data, run: Run, device: torch.device, t_
     log.info("saved step %d: held-out loss %.4f (ppl %.2f) all; docs-only %s", run.best_step, final_all,
              math.exp(final_all), f"{final_doc:.4f} (ppl {math.exp(final_doc):.2f})" if final_doc else "n/a")
     log.info("greedy %r -> %r", a.prompt, sample)
-    return {
+    skills = long_skills(a, s, model, d, device) if s.get("long") else {}
+    return {**skills,
         "data": os.path.basename(d.source) if d.source else "local sources",
         "data_sha256": reference_corpus.file_sha256(d.source) if d.source else None,
         "shape": s, "steps": run.steps, "seed": a.seed, "device": str(device),
@@ -395,9 +473,25 @@ def report(a, s: dict, model: Llama, d: Data, run: Run, device: torch.device, t_
     }
 
 
+def long_skills(a, s: dict, model: Llama, d: Data, device) -> dict:
+    """Pass-key accuracy by length and depth (held-out filler) and chat accuracy on held-out names."""
+    stop = {d.tok.token_to_id(t) for t in SPECIALS if t != SPECIALS[1]}
+    gen = lambda ids, n: greedy_ids(model, ids, n, stop, device, autocast_for(device))  # noqa: E731
+    enc, dec = (lambda t: d.tok.encode(t).ids), (lambda ids: d.tok.decode(ids, skip_special_tokens=False))
+    lengths = [L for L in skills_eval.LENGTHS if L <= s["seq_len"]] or [s["seq_len"] // 2, s["seq_len"]]
+    pk = skills_eval.passkey_accuracy(gen, enc, dec, d.held_all.flatten().tolist(), s["seq_len"], lengths,
+                                      per_cell=a.passkey_per_cell)
+    chat = skills_eval.chat_accuracy(gen, enc, dec, d.pairs[2][:a.chat_eval])
+    log.info("pass key found %d/%d; by length %s; by depth %s", pk["found"], pk["tried"], pk["by_length"],
+             pk["by_depth"])
+    log.info("chat on %d held-out names: exact %.1f%%, word F1 %.3f; %s", chat["n"], 100 * chat["exact"],
+             chat["f1"], chat["samples"][:2])
+    return {"passkey": pk, "chat": chat, "qa_pairs": [len(p) for p in d.pairs]}
+
+
 def train(a) -> dict:
     """Data, tokenizer, model, loop, saved checkpoint; returns the run's metrics."""
-    s = dict(SHAPES["tiny" if a.tiny else "ref"])
+    s = dict(SHAPES[{"ref": "tiny", "long": "tiny-long"}[a.shape] if a.tiny else a.shape])
     steps = a.steps or s["steps"]
     device = torch.device(a.device)
     torch.manual_seed(a.seed)
@@ -421,6 +515,10 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the shape's)")
     ap.add_argument("--tiny", action="store_true", help="a very small model and corpus (tests)")
+    ap.add_argument("--shape", default="ref", choices=["ref", "long"],
+                    help="ref: the shipped 1,024-token model; long: 4,096 tokens, pass-key and chat data")
+    ap.add_argument("--passkey-per-cell", type=int, default=2, help="pass keys per length x depth (long)")
+    ap.add_argument("--chat-eval", type=int, default=100, help="held-out Q/A names asked at the end (long)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default=None, help="packed corpus (.jsonl.xz); default: .corpus/ or local sources")
     ap.add_argument("--sources", default="docs,stdlib", help="comma list of docs, stdlib")
