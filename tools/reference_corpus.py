@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The reference model's corpus: the Python documentation (reStructuredText) and stdlib docstrings.
 
-Sources, both under the PSF license:
+Sources, all under the PSF license:
   docs/...    the reST sources Debian's python3.X-doc ships under /usr/share/doc/python3.X/html/_sources
   stdlib/...  docstrings of this interpreter's standard-library modules (tests and idlelib left out)
+  src/...     the same modules' whole source (only when asked for: the long-context model's extra text)
 
 Documents are keyed by a machine-independent path, and the split is a hash of that path, so every
 machine that reads the same corpus splits it the same way: ~3% held out (reported figures), ~1.5%
@@ -11,6 +12,7 @@ validation (the trainer keeps its best checkpoint on it), the rest for training.
 carries it to machines without the sources (the GPU machine):
 
   python tools/reference_corpus.py pack .corpus/reference-corpus.jsonl.xz
+  python tools/reference_corpus.py pack .corpus/reference-corpus-long.jsonl.xz --sources docs,stdlib,src
 """
 
 from __future__ import annotations
@@ -93,20 +95,31 @@ def module_docstrings(source: str, module: str) -> str:
     return "\n".join(parts)
 
 
-def read_stdlib() -> dict[str, str]:
-    """stdlib/<module path> -> that module's docstrings."""
+def stdlib_files():
+    """(path relative to the stdlib, module name, source text) of every module read, in path order."""
     root = sysconfig.get_paths()["stdlib"]
-    docs = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("config-"))
         for name in sorted(f for f in filenames if f.endswith(".py")):
             rel = os.path.relpath(os.path.join(dirpath, name), root)
             module = rel.removesuffix(".py").removesuffix("/__init__").replace(os.sep, ".")
             with open(os.path.join(dirpath, name), encoding="utf-8", errors="replace") as fh:
-                text = module_docstrings(fh.read(), module)
-            if text:
-                docs["stdlib/" + rel] = text
+                yield rel, module, fh.read()
+
+
+def read_stdlib() -> dict[str, str]:
+    """stdlib/<module path> -> that module's docstrings."""
+    docs = {}
+    for rel, module, source in stdlib_files():
+        text = module_docstrings(source, module)
+        if text:
+            docs["stdlib/" + rel] = text
     return docs
+
+
+def read_source() -> dict[str, str]:
+    """src/<module path> -> that module's whole source."""
+    return {"src/" + rel: source for rel, _, source in stdlib_files() if source.strip()}
 
 
 def collect(sources: tuple[str, ...] = ("docs", "stdlib")) -> dict[str, str]:
@@ -120,6 +133,8 @@ def collect(sources: tuple[str, ...] = ("docs", "stdlib")) -> dict[str, str]:
         docs.update(read_docs(root))
     if "stdlib" in sources:
         docs.update(read_stdlib())
+    if "src" in sources:
+        docs.update(read_source())
     return docs
 
 
@@ -167,8 +182,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["pack", "stats"])
     ap.add_argument("path", nargs="?", default=DEFAULT_PACK)
+    ap.add_argument("--sources", default="docs,stdlib", help="comma list of docs, stdlib, src")
     a = ap.parse_args()
-    docs = collect() if a.command == "pack" else load(a.path)
+    sources = tuple(a.sources.split(","))
+    docs = collect(sources) if a.command == "pack" else load(a.path, sources)
     for name, part in zip(("train", "validation", "held-out"), split(docs)):
         by_source = {}
         for p, t in part.items():

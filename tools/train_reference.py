@@ -54,7 +54,7 @@ SHAPES = {
                  intermediate_size=128, seq_len=64, batch_size=8, lr=3e-3, dropout=0.0, steps=40),
     # 25.7 M parameters: ~27 MB as bf16 attention + INT4 FFN (group 32), within the 40 MB the issue allows
     "long": dict(vocab_size=6144, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
-                 intermediate_size=1408, seq_len=4096, batch_size=16, lr=1e-3, dropout=0.1, steps=2000,
+                 intermediate_size=1408, seq_len=4096, batch_size=16, lr=1e-3, dropout=0.1, steps=3000,
                  rope_theta=100000.0, long=True),
     "tiny-long": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                       intermediate_size=128, seq_len=256, batch_size=8, lr=3e-3, dropout=0.0, steps=20,
@@ -346,7 +346,8 @@ def load_data(a, s: dict, device: torch.device) -> Data:
     if a.max_docs:
         docs = dict(sorted(docs.items())[: a.max_docs])
     train_docs, valid_docs, held_docs = reference_corpus.split(docs)
-    tok = train_tokenizer(s["vocab_size"], list(train_docs.values()))
+    # the tokenizer reads prose and docstrings, not src/ code: the same vocabulary whatever code is added
+    tok = train_tokenizer(s["vocab_size"], [t for p, t in train_docs.items() if not p.startswith("src/")])
     held_doc_pages = {p: t for p, t in held_docs.items() if p.startswith("docs/")}
     d = Data(source, tok, tokenize(tok, train_docs).to(device),
              windows(tokenize(tok, valid_docs), s["seq_len"], a.eval_tokens),
@@ -521,7 +522,7 @@ def main(argv=None):
     ap.add_argument("--chat-eval", type=int, default=100, help="held-out Q/A names asked at the end (long)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default=None, help="packed corpus (.jsonl.xz); default: .corpus/ or local sources")
-    ap.add_argument("--sources", default="docs,stdlib", help="comma list of docs, stdlib")
+    ap.add_argument("--sources", default="docs,stdlib", help="comma list of docs, stdlib, src (whole stdlib source)")
     ap.add_argument("--max-docs", type=int, default=None, help="use only the first N documents (by path)")
     ap.add_argument("--eval-tokens", type=int, default=None, help="cap on held-out tokens evaluated")
     ap.add_argument("--eval-every", type=int, default=100)
