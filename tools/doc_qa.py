@@ -106,9 +106,10 @@ def bucket(name: str) -> int:
 
 
 def split(all_pairs: list[Pair]) -> tuple[list[Pair], list[Pair], list[Pair]]:
-    """(train, validation, held out) by a hash of the name."""
+    """(train, validation, held out) by a hash of the name, each in hash order (so its first N are a
+    fair sample of every page, not the first pages)."""
     parts = ([], [], [])
-    for p in all_pairs:
+    for p in sorted(all_pairs, key=lambda p: hashlib.sha256(p.name.encode()).hexdigest()):
         b = bucket(p.name)
         parts[2 if b < HELD_OUT_PER_MILLE else 1 if b < HELD_OUT_PER_MILLE + VALID_PER_MILLE else 0].append(p)
     return parts
