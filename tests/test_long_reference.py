@@ -116,8 +116,8 @@ def test_tiny_long_run_writes_a_checkpoint_o3edge_loads_and_chats_with(tmp_path,
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     m = json.loads(metrics.read_text())
     assert m["passkey"]["tried"] == 2 * len(m["passkey"]["by_depth"])  # two lengths x the depths
-    assert m["chat"]["n"] == 4 and all(n > 0 for n in m["qa_pairs"])
-    assert "valid_answer_loss" in m["evals"][-1]
+    assert m["chat"]["n"] == 4 and all(n > 0 for n in m["qa_pairs"]) and m["held_out_ppl"] > 1
+    assert "valid_answer_loss" in m["evals"][-1] and m["best_step"] > 0
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["max_position_embeddings"], cfg["rope_theta"]) == (256, 100000.0)
 

@@ -424,16 +424,16 @@ def fit(a, s: dict, model: Llama, d: Data, steps: int, device: torch.device, t_s
         if done % a.eval_every == 0 or done == steps:
             val = mean_loss(model, d.valid, device, autocast, s["batch_size"])
             run.evals.append({"step": done, "valid_loss": val})
-            if val_batches:  # the long shapes choose on language + answer loss
+            score, extra = val, ""
+            if val_batches:  # the long shapes choose on language + answer (pass key, chat) loss
                 answer = mean_answer_loss(model, val_batches, device, autocast)
-                run.evals[-1].update(valid_lm_loss=val, valid_answer_loss=answer)
-                log.info("eval step %d validation answer loss %.4f", done, answer)
-                val += answer
+                run.evals[-1]["valid_answer_loss"] = answer
+                score, extra = val + answer, f" answer loss {answer:.4f}"
             mark = ""
-            if val < run.best_valid_loss:
-                run.best_valid_loss, run.best_step, mark = val, done, " (best; saved)"
+            if score < run.best_valid_loss:
+                run.best_valid_loss, run.best_step, mark = score, done, " (best; saved)"
                 save_checkpoint(a.out, model, s, d.tok, a.save_dtype)
-            log.info("eval step %d validation loss %.4f ppl %.2f%s", done, val, math.exp(val), mark)
+            log.info("eval step %d validation loss %.4f ppl %.2f%s%s", done, val, math.exp(val), extra, mark)
         if done >= steps:
             break
     return run
