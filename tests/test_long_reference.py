@@ -67,6 +67,8 @@ def test_passkey_example_puts_the_key_where_it_says(tok, docs):
 def test_passkey_rows_score_the_key_and_not_the_needle(tok, docs):
     stream = __import__("torch").tensor(tok.encode(" ".join(docs.values()) * 3).ids)
     b = Mix(tok, stream, [], seq_len=512, seed=3).batch(6, ["passkey"] * 6)
+    again = Mix(tok, stream, [], seq_len=512, seed=3).batch(6, ["passkey"] * 6)
+    assert b.ids.equal(again.ids) and b.answer_mask.equal(again.answer_mask)  # the seed decides
     assert b.ids.shape == (6, 513) and b.answer_mask.shape == (6, 512)
     for ids, lm, ans in zip(b.ids, b.lm_mask, b.answer_mask):
         targets = ids[1:]
