@@ -277,13 +277,17 @@ def train_loss(step_fn, chunk, autocast) -> torch.Tensor:
 
 
 def mix_losses(step_fn, b, autocast) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean loss over language targets, mean loss over answer targets) of a long_mix.Batch."""
+    """(mean loss over language targets, answer loss) of a long_mix.Batch. The answer loss is the mean
+    over rows with answers of each row's mean, so a pass key's 4 answer tokens weigh as much as a chat
+    row's ~2,000."""
     ids = b.ids
     with autocast():
         logits = step_fn(ids[:, :-1])  # [B, S, V]
-    ce = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-    lm, ans = b.lm_mask.flatten().to(ce), b.answer_mask.flatten().to(ce)
-    return (ce * lm).sum() / lm.sum().clamp(min=1), (ce * ans).sum() / ans.sum().clamp(min=1)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view(ids.shape[0], -1)
+    lm, ans = b.lm_mask.to(ce), b.answer_mask.to(ce)  # [B, S]
+    per_row = (ce * ans).sum(1) / ans.sum(1).clamp(min=1)
+    has = (ans.sum(1) > 0).to(ce)
+    return (ce * lm).sum() / lm.sum().clamp(min=1), (per_row * has).sum() / has.sum().clamp(min=1)
 
 
 def validation_batches(a, s: dict, d) -> list:
