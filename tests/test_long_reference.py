@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 from tokenizers import Tokenizer
@@ -102,7 +103,7 @@ def test_doc_pairs_hold_out_what_they_claim(tok, docs):
 
 def test_tiny_long_run_writes_a_checkpoint_o3edge_loads_and_chats_with(tmp_path, docs):
     corpus = dict(docs)
-    root = os.path.dirname(json.__file__.rsplit("/json", 1)[0] + "/")
+    root = sysconfig.get_paths()["stdlib"]
     for name in sorted(os.listdir(root))[:120]:
         if name.endswith(".py"):
             with open(os.path.join(root, name), encoding="utf-8", errors="replace") as fh:
