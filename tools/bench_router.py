@@ -65,7 +65,6 @@ TUNED = {
     "router-int8-tuned": dict(kv_router="int8", router_threshold=0.5, sink_tokens=4, recent_tokens=32),
     "router-int4-tuned": dict(kv_router="int4", router_threshold=0.5, sink_tokens=4, recent_tokens=32),
 }
-NEEDLE = ("The pass key is {k}. Remember it. The pass key is {k}.\n", "\nWhat is the pass key? The pass key is")
 
 
 def engine(model_dir: str, label: str, device: str, dtype: str, threads: int | None, **kw) -> LLMEngine:
@@ -139,15 +138,14 @@ def held_out(tok, n_prompts: int, length: int) -> tuple[list[list[int]], list[in
 
 def needle_cases(tok, filler: list[int], lengths, depths):
     """(length, depth, prompt ids, answer text) for the pass-key task."""
+    import passkey
+
     cases = []
     for L in lengths:
         for d in depths:
             key = str(random.Random(L * 100 + int(d * 100)).randint(10000, 99999))
-            nid = tok.encode(NEEDLE[0].format(k=key), add_special_tokens=False)
-            qid = tok.encode(NEEDLE[1], add_special_tokens=False)
-            body = filler[:L - len(nid) - len(qid)]
-            cut = int(len(body) * d)
-            cases.append((L, d, body[:cut] + nid + body[cut:] + qid, key))
+            ex = passkey.example(lambda t: tok.encode(t, add_special_tokens=False), filler, L, d, key)
+            cases.append((L, d, ex.prompt, key))
     return cases
 
 
