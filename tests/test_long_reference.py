@@ -19,12 +19,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import doc_qa  # noqa: E402
+import eval_long_reference  # noqa: E402
 import passkey  # noqa: E402
 import reference_corpus  # noqa: E402
 from long_mix import Mix  # noqa: E402
 
 MODULES = ["json", "os.path", "textwrap", "shutil", "base64", "string", "glob", "fnmatch", "shlex", "random",
-           "statistics", "bisect", "heapq", "copy", "difflib", "html", "keyword", "calendar", "gzip", "zlib"]
+           "statistics", "bisect", "heapq", "copy", "difflib", "html", "keyword", "calendar", "gzip", "zlib",
+           "reprlib", "gettext"]  # the last two pages fall in the corpus's held-out split
 
 
 def doc_page(module: str) -> str:
@@ -131,3 +133,13 @@ def test_tiny_long_run_writes_a_checkpoint_o3edge_loads_and_chats_with(tmp_path,
     assert reply.finish_reason in ("stop", "length") and reply.completion_tokens >= 1
     ids = model.engine.encode(" ".join(docs.values()))[:255]
     assert model.engine.score(ids).shape == (255, 512)
+
+    # the evaluator runs it on o3edge's engine: perplexity, pass keys up to its window, held-out chat
+    table = tmp_path / "bench.md"
+    (row,) = eval_long_reference.main(["--model", str(out), "--data", str(pack), "--lengths", "128,256,512",
+                                       "--passkey-per-cell", "1", "--chat-pairs", "2", "--ppl-tokens", "600", "--ppl-window", "128",
+                                       "--threads", "1", "--write", str(table)])
+    assert row["window"] == 256 and row["ppl"] > 1 and row["chat"]["n"] == 2
+    assert row["passkey"]["by_length"][512] is None and row["passkey"]["tried"] == 2 * len(row["passkey"]["by_depth"])
+    assert "| n/a | 0% of 2 |" in table.read_text() or "| n/a | 50% of 2 |" in table.read_text() \
+        or "| n/a | 100% of 2 |" in table.read_text()

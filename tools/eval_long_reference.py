@@ -7,8 +7,8 @@
 
 For each model (full-precision KV, no router): perplexity of the held-out documentation pages
 (tools/reference_corpus.py) in --ppl-window windows; pass-key accuracy by length (512, 1K, 2K, 4K;
-lengths past the model's window are "n/a") and depth, filler from the held-out pages
-(tools/passkey.py, tools/skills_eval.py); chat accuracy on held-out documentation names
+lengths past the model's window are "n/a") and depth, filler from the held-out documents, pages
+and docstrings (tools/passkey.py, tools/skills_eval.py); chat accuracy on held-out documentation names
 (tools/doc_qa.py: the trainer never saw their Q/A pairs), asked as a ChatML user turn, greedy.
 """
 
@@ -53,7 +53,7 @@ def generator(model: O3Model):
 
 
 def held_out_ids(tok, docs: dict[str, str]) -> list[int]:
-    """Held-out documentation pages as one token stream (pass-key filler)."""
+    """Held-out documents as one token stream (pass-key filler)."""
     _, _, held = reference_corpus.split(docs)
     ids: list[int] = []
     for text in held.values():
@@ -76,7 +76,7 @@ def evaluate(model_dir: str, a, docs: dict[str, str], held_pairs: list) -> dict:
     gen = generator(model)
     enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     dec = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
-    pk = skills_eval.passkey_accuracy(gen, enc, dec, held_out_ids(tok, docs), window,
+    pk = skills_eval.passkey_accuracy(gen, enc, dec, held_out_ids(tok, docs), window, a.lengths,
                                       per_cell=a.passkey_per_cell)
     chat = skills_eval.chat_accuracy(gen, enc, dec, held_pairs[:a.chat_pairs])
     row = {"model": model_dir, "window": window, "ppl": math.exp(nll / count), "ppl_tokens": count,
@@ -91,7 +91,7 @@ def _pct(x) -> str:
 
 
 def table(rows: list[dict], meta: dict) -> str:
-    lengths = skills_eval.LENGTHS
+    lengths = meta["lengths"]
     lines = [SECTION, "", f"`{meta['command']}` ({meta['date']}, {meta['device']}, full-precision KV, greedy).",
              "Perplexity: held-out documentation pages; pass key: held-out filler, depths "
              + ", ".join(f"{d:g}" for d in skills_eval.DEPTHS) + f", {meta['per_cell']} keys each; chat: "
@@ -117,19 +117,22 @@ def main(argv=None):
     ap.add_argument("--ppl-tokens", type=int, default=20000)
     ap.add_argument("--ppl-window", type=int, default=512)
     ap.add_argument("--passkey-per-cell", type=int, default=2)
+    ap.add_argument("--lengths", default=",".join(map(str, skills_eval.LENGTHS)), help="pass-key lengths")
     ap.add_argument("--chat-pairs", type=int, default=100, help="held-out names asked (the first N)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--write", default=None, help="markdown file to put the table in (docs/benchmarks.md)")
     a = ap.parse_args(argv)
+    a.lengths = [int(x) for x in a.lengths.split(",")]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     torch.set_num_threads(a.threads)
-    docs = reference_corpus.load(a.data, ("docs",))
+    docs = reference_corpus.load(a.data, ("docs", "stdlib"))
     train_docs, _, _ = reference_corpus.split(docs)
     held_pairs = doc_qa.split(doc_qa.pairs(train_docs))[2]
     rows = [evaluate(resolve_model_path(m), a, docs, held_pairs) for m in a.model]
     meta = dict(command="python tools/eval_long_reference.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                date=datetime.date.today().isoformat(), device=a.device, per_cell=a.passkey_per_cell)
+                date=datetime.date.today().isoformat(), device=a.device, per_cell=a.passkey_per_cell,
+                lengths=a.lengths)
     section = table(rows, meta)
     print(section)
     if a.json:

@@ -358,6 +358,8 @@ def load_data(a, s: dict, device: torch.device) -> Data:
              windows(tokenize(tok, held_docs), s["seq_len"], a.eval_tokens),
              windows(tokenize(tok, held_doc_pages), s["seq_len"], a.eval_tokens) if held_doc_pages else None,
              (len(train_docs), len(valid_docs), len(held_docs)))
+    if d.held_doc is not None and not len(d.held_doc):  # held-out pages shorter than one window
+        d.held_doc = None
     if s.get("long"):
         d.pairs = doc_qa.split(doc_qa.pairs(train_docs))
         log.info("doc Q/A pairs: %d train, %d validation, %d held out", *map(len, d.pairs))
