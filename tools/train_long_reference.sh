@@ -16,8 +16,13 @@ mkdir -p "$OUT"
 [ -f "$PACK" ] || { echo "missing $PACK: pack it on a machine with python3.11-doc first" >&2; exit 2; }
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+status=0
 python tools/train_reference.py --shape long --device cuda --data "$PACK" --sources docs,stdlib,src \
     --out "$CKPT" --metrics "$OUT/long-metrics.json" --max-minutes "${MINUTES:-5}" --seed 0 \
-    2>&1 | tee "$OUT/train-long.log"
-tar cf - -C "$(dirname "$CKPT")" "$(basename "$CKPT")" | xz -T0 -3 | split -b 15M - "$OUT/o3edge-ref-long.tar.xz.part-"
+    2>&1 | tee "$OUT/train-long.log" || status=$?
+# the best checkpoint is on disk from the first validation on: bring it back even if the end failed
+if [ -f "$CKPT/model.safetensors" ]; then
+    tar cf - -C "$(dirname "$CKPT")" "$(basename "$CKPT")" | xz -T0 -3 | split -b 15M - "$OUT/o3edge-ref-long.tar.xz.part-"
+fi
 ls -l "$OUT"
+exit "$status"
