@@ -17,8 +17,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 status=0
-python tools/train_reference.py --shape long --device cuda --data "$PACK" --sources docs,stdlib,src \
-    --out "$CKPT" --metrics "$OUT/long-metrics.json" --max-minutes "${MINUTES:-5}" --seed 0 \
+# DEVICE=cpu EXTRA="--tiny --steps 4 --max-docs 120" runs the same script as a CPU smoke test
+python tools/train_reference.py --shape long --device "${DEVICE:-cuda}" --data "$PACK" --sources docs,stdlib,src \
+    --out "$CKPT" --metrics "$OUT/long-metrics.json" --max-minutes "${MINUTES:-5}" --seed 0 ${EXTRA:-} \
     2>&1 | tee "$OUT/train-long.log" || status=$?
 # the best checkpoint is on disk from the first validation on: bring it back even if the end failed
 if [ -f "$CKPT/model.safetensors" ]; then
