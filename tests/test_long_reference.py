@@ -137,9 +137,8 @@ def test_tiny_long_run_writes_a_checkpoint_o3edge_loads_and_chats_with(tmp_path,
     # the evaluator runs it on o3edge's engine: perplexity, pass keys up to its window, held-out chat
     table = tmp_path / "bench.md"
     (row,) = eval_long_reference.main(["--model", str(out), "--data", str(pack), "--lengths", "128,256,512",
-                                       "--passkey-per-cell", "1", "--chat-pairs", "2", "--ppl-tokens", "600", "--ppl-window", "128",
-                                       "--threads", "1", "--write", str(table)])
+                                       "--passkey-per-cell", "1", "--chat-pairs", "2", "--ppl-tokens", "600",
+                                       "--ppl-window", "128", "--threads", "1", "--write", str(table)])
     assert row["window"] == 256 and row["ppl"] > 1 and row["chat"]["n"] == 2
     assert row["passkey"]["by_length"][512] is None and row["passkey"]["tried"] == 2 * len(row["passkey"]["by_depth"])
-    assert "| n/a | 0% of 2 |" in table.read_text() or "| n/a | 50% of 2 |" in table.read_text() \
-        or "| n/a | 100% of 2 |" in table.read_text()
+    assert re.search(r"\| 256 \| .* \| n/a \| \d+% of 2 \|", table.read_text())  # 512 past its window

@@ -27,8 +27,8 @@ def passkey_accuracy(generate, encode, decode, filler: list[int], window: int, l
     tried = [L - NEW_TOKENS for L in lengths if L <= window]
     for length, depth, ex in passkey.cases(encode, filler, tried, depths, per_cell, seed):
         text = decode(generate(ex.prompt, NEW_TOKENS))
-        cells.append({"length": length + NEW_TOKENS, "depth": depth, "key": ex.key, "found": passkey.found(ex.key, text),
-                      "output": text})
+        cells.append({"length": length + NEW_TOKENS, "depth": depth, "key": ex.key,
+                      "found": passkey.found(ex.key, text), "output": text})
 
     def share(rows):
         return sum(r["found"] for r in rows) / len(rows) if rows else None
