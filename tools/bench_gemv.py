@@ -50,11 +50,10 @@ def layers(model: str) -> list[tuple[str, int, int, str]]:
 
 
 def grid(M: int, int4: bool) -> list[tuple[int, ...]]:
-    """Tilings (BLOCK_N, BLOCK_K, splits, warps[, programs per SM: streamed, one row only])."""
+    """Tilings (BLOCK_N, BLOCK_K, splits, warps[, programs per SM: streamed, one row of dense weights])."""
     if M == 1:
         if int4:
-            return (list(itertools.product((4, 8, 16), (512, 1024), (1, 2), (4, 8)))
-                    + list(itertools.product((4, 8, 16), (512, 1024), (1,), (4, 8), (2, 4, 8))))
+            return list(itertools.product((4, 8, 16), (512, 1024), (1, 2), (4, 8)))
         return list(itertools.product((4, 8, 16), (1024, 2048), (1,), (4, 8), (4, 6, 8)))
     return list(itertools.product((16, 32, 64), (128, 256, 512), (1, 2), (4,))) if M <= MAX_ROWS else []
 

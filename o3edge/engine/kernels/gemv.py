@@ -76,16 +76,23 @@ def _centered(n):
 
 
 @triton.jit
-def _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """INT4 rows rn, columns k0 .. k0+BLOCK_K (whole groups), as stored: the bytes [BLOCK_N, BLOCK_K // GROUP,
-    GROUP // 2] (even column in the high nibble) and each group's scale and zero [BLOCK_N, groups]."""
+def _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+              WORD: tl.constexpr = 1):
+    """INT4 rows rn, columns k0 .. k0+BLOCK_K (whole groups), as stored: [BLOCK_N, BLOCK_K // GROUP, GROUP //
+    (2 * WORD)] bytes (WORD 1: even column in the high nibble) or int32 words of eight columns (WORD 4), and
+    each group's scale and zero [BLOCK_N, groups]."""
     NG: tl.constexpr = BLOCK_K // GROUP
+    PER: tl.constexpr = 2 * WORD  # columns an element holds
     gi = tl.arange(0, NG)
-    j = tl.arange(0, GROUP // 2)
+    j = tl.arange(0, GROUP // PER)
     in_k = k0 + gi * GROUP < K
-    col = (k0 // 2 + gi * (GROUP // 2))[None, :, None] + j[None, None, :]
-    q = tl.load(w_ptr + rn[:, None, None] * stride_w + col, mask=n_mask[:, None, None] & in_k[None, :, None],
-                other=0x88)
+    col = (k0 // PER + gi * (GROUP // PER))[None, :, None] + j[None, None, :]
+    mask = n_mask[:, None, None] & in_k[None, :, None]
+    if WORD == 4:  # 0x88888888: every nibble 8, a weight of 0 after centering
+        q = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rn[:, None, None] * (stride_w // 4) + col, mask=mask,
+                    other=-2004318072)
+    else:
+        q = tl.load(w_ptr + rn[:, None, None] * stride_w + col, mask=mask, other=0x88)
     sz = sz_ptr + ((k0 // GROUP + gi)[None, :] * N + rn[:, None]) * 2
     sz_mask = n_mask[:, None] & in_k[None, :]
     return q, tl.load(sz, mask=sz_mask, other=0.0), tl.load(sz + 1, mask=sz_mask, other=0.0)
@@ -167,27 +174,11 @@ def _pairs(x, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _int4_words(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_int4_raw's tile as 32-bit words (eight columns each): [BLOCK_N, BLOCK_K // GROUP, GROUP // 8] int32,
-    with the scales and zeros as stored."""
-    NG: tl.constexpr = BLOCK_K // GROUP
-    gi = tl.arange(0, NG)
-    j = tl.arange(0, GROUP // 8)
-    in_k = k0 + gi * GROUP < K
-    col = (k0 // 8 + gi * (GROUP // 8))[None, :, None] + j[None, None, :]
-    q = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rn[:, None, None] * (stride_w // 4) + col,
-                mask=n_mask[:, None, None] & in_k[None, :, None], other=-2004318072)  # 0x88888888: all 8
-    sz = sz_ptr + ((k0 // GROUP + gi)[None, :] * N + rn[:, None]) * 2
-    sz_mask = n_mask[:, None] & in_k[None, :]
-    return q, tl.load(sz, mask=sz_mask, other=0.0), tl.load(sz + 1, mask=sz_mask, other=0.0)
-
-
-@triton.jit
 def _int4_packed_row_dot(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     """_int4_row_dot on the GPU's packed half-precision instructions (PACKED_DOT_*): [BLOCK_N] float32."""
     NG: tl.constexpr = BLOCK_K // GROUP
-    q, scale, zero = _int4_words(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
+    q, scale, zero = _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, 4)
     scale, zero = scale.to(tl.float32), zero.to(tl.float32)
     w0, w1, w2, w3 = _pairs(x, BLOCK_K, GROUP)
     args = [q, w0[None], w1[None], w2[None], w3[None]]
@@ -310,15 +301,14 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
 
 
 @triton.jit
-def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.constexpr,
-                       stride_x, stride_w, eps, PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, BLOCKS: tl.constexpr,
-                       DEFER: tl.constexpr, PDL: tl.constexpr):
-    """One activation row, a few programs per SM: each streams the row blocks pid, pid + programs, ...
-    tile after tile, the next weight tile's load issued before the current tile is used. The prologue's
-    statistics are computed once per program, not once per row block, and the first tile is in flight
-    before the wait for the previous kernel (weights are no kernel's output). DEFER: dense products
-    are summed across threads once per row block instead of once per tile."""
+def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, N, K: tl.constexpr, stride_x,
+                       stride_w, eps, PRO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       K_TILES: tl.constexpr, BLOCKS: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr):
+    """One activation row of dense weights, a few programs per SM: each streams the row blocks pid,
+    pid + programs, ... tile after tile, the next weight tile's load issued before the current tile is
+    used. The prologue's statistics are computed once per program, not once per row block, and the
+    first tile is in flight before the wait for the previous kernel (weights are no kernel's output).
+    DEFER: products are summed across threads once per row block instead of once per tile."""
     pdl.launch_next(PDL)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
@@ -326,10 +316,7 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
     m_mask = rm < 1
     rows = tl.arange(0, BLOCK_N)
     rn = pid * BLOCK_N + rows
-    if INT4:  # stored bytes in flight; unpacked only when used
-        q_next, s_next, z_next = _int4_raw(w_ptr, sz_ptr, rn, rn < N, 0, K, N, stride_w, GROUP, BLOCK_K)
-    else:
-        w_next = weight_tile(w_ptr, None, rn, rn < N, 0, K, N, stride_w, False, 1, BLOCK_K, dtype)
+    w_next = weight_tile(w_ptr, None, rn, rn < N, 0, K, N, stride_w, False, 1, BLOCK_K, dtype)
     pdl.wait_for_previous(PDL)
     rstd = tl.zeros([1], tl.float32)
     if PRO == 1:
@@ -345,18 +332,13 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
                 rn2, k2 = rn + programs * BLOCK_N, 0
             x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kt * BLOCK_K + tl.arange(0, BLOCK_K), K, stride_x,
                             rstd, PRO, dtype)
-            if INT4:
-                q, sc, zr = q_next, s_next, z_next
-                q_next, s_next, z_next = _int4_raw(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP, BLOCK_K)
-                acc += _int4_row_dot(x, q, sc, zr, GROUP, BLOCK_K)
+            w = w_next
+            w_next = weight_tile(w_ptr, None, rn2, rn2 < N, k2, K, N, stride_w, False, 1, BLOCK_K, dtype)
+            if DEFER:
+                acc2 += w.to(tl.float32) * x.to(tl.float32)
             else:
-                w = w_next
-                w_next = weight_tile(w_ptr, None, rn2, rn2 < N, k2, K, N, stride_w, False, 1, BLOCK_K, dtype)
-                if DEFER:
-                    acc2 += w.to(tl.float32) * x.to(tl.float32)
-                else:
-                    acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-        if DEFER and not INT4:
+                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
+        if DEFER:
             acc = tl.sum(acc2, axis=1)
         if bias_ptr is not None:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
@@ -378,7 +360,8 @@ def packed_int4(x: torch.Tensor) -> bool:
 
 def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, ...]:
     """(BLOCK_N, BLOCK_K, splits, num_warps[, programs per SM]) for an M x K by K x N skinny matmul; a
-    fifth entry streams one row (_row_stream_kernel) on that many programs per SM.
+    fifth entry streams one row of dense weights (_row_stream_kernel) on that many programs per SM
+    (INT4 weights ignore it: streamed, they were slower on the H200, gemv-grid-stream2.json).
 
     At one row: wide K tiles (1,024-2,048 columns) over thin row slices, so each SM has many weight bytes
     in flight; dense weights stream on 6-8 programs per SM. The best tilings of H200 grid searches
@@ -438,13 +421,13 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     res_out = torch.empty_like(x) if pro == PRO_NORM and residual is not None else None
     on = pdl.enabled(str(x.device))
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    if streamed and streamed[0] and M == 1:
+    if streamed and streamed[0] and M == 1 and not int4:
         blocks = triton.cdiv(N, block_n)
         programs = min(blocks, sms * streamed[0])
         _row_stream_kernel[(programs,)](
-            x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, out, N, K, x.stride(0),
-            weight.stride(0), eps, PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_N=block_n, BLOCK_K=block_k,
-            K_TILES=triton.cdiv(K, block_k), BLOCKS=triton.cdiv(blocks, programs),
+            x, residual, res_out, norm_weight, weight, bias, out, N, K, x.stride(0), weight.stride(0), eps,
+            PRO=pro, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(K, block_k),
+            BLOCKS=triton.cdiv(blocks, programs),
             DEFER=block_n * block_k <= 32 * 32 * warps,  # at most 32 float32 partial sums a thread
             PDL=on, num_warps=warps, **pdl.launch_options(on))
         return (out, x if residual is None else res_out) if pro == PRO_NORM else out
