@@ -51,7 +51,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
-        self.seq_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its sealed blocks
+        self.num_named: dict[int, int] = {}  # seq_id -> its leading blocks named (seq.block_hashes[:n])
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.num_cold_hit_tokens = 0
@@ -104,8 +104,8 @@ class BlockManager:
         for block_id in hits:
             self._take(block_id)
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
-        hashes = self.seq_hashes[seq.seq_id] = [self.blocks[b].hash for b in hits]
-        cold = self._match_cold(seq, hashes[-1] if hashes else self.root, len(hits)) if reuse else []
+        self.num_named[seq.seq_id] = len(hits)
+        cold = self._match_cold(seq, seq.block_hashes[len(hits) - 1] if hits else self.root, len(hits)) if reuse else []
         seq.cold_pending = [(seq.block_table[len(hits) + i], *c) for i, c in enumerate(cold)]
         seq.num_cold_tokens = len(cold) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens = (len(hits) + len(cold)) * self.block_size
@@ -130,9 +130,8 @@ class BlockManager:
     def restored(self, seq: Sequence, num_blocks: int) -> None:
         """The first num_blocks of seq.cold_pending arrived; the rest are recomputed."""
         pending, seq.cold_pending = seq.cold_pending, []
-        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
+        self.num_named[seq.seq_id] = self.num_named.get(seq.seq_id, 0) + num_blocks
         for block_id, h, parent, tokens in pending[:num_blocks]:
-            hashes.append(h)
             block = self.blocks[block_id]
             if block.hash is None and h not in self.cached:
                 block.hash, block.parent, block.token_ids = h, parent, tokens
@@ -174,17 +173,17 @@ class BlockManager:
         seq.num_computed_tokens += num_tokens
         if not self.prefix_caching:
             return
-        hashes, bs = self.seq_hashes.setdefault(seq.seq_id, []), self.block_size
-        n = seq.num_computed_tokens // bs
-        names = self.chain(seq, n) if len(hashes) < n else None
-        while len(hashes) < n:
-            i = len(hashes)
+        bs, named, n = self.block_size, self.num_named.get(seq.seq_id, 0), seq.num_computed_tokens // self.block_size
+        if named >= n:
+            return
+        names = self.chain(seq, n)
+        for i in range(named, n):
             tokens, h = tuple(seq.token_ids[i * bs:(i + 1) * bs]), names[i]
-            hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.cached:
-                block.hash, block.token_ids, block.parent = h, tokens, hashes[-2] if i else self.root
+                block.hash, block.token_ids, block.parent = h, tokens, names[i - 1] if i else self.root
                 self.cached[h] = block.block_id
+        self.num_named[seq.seq_id] = n
 
     # ---- release ---------------------------------------------------------------------------
     def free_seq(self, seq: Sequence) -> None:
@@ -197,7 +196,7 @@ class BlockManager:
         seq.block_table = []
         seq.cold_pending = []
         seq.num_computed_tokens = 0
-        self.seq_hashes.pop(seq.seq_id, None)
+        self.num_named.pop(seq.seq_id, None)
 
     def _release(self, block: Block) -> None:
         """A block lost its last holder: it joins the free list (a named one stays findable)."""

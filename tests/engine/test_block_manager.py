@@ -117,7 +117,7 @@ def test_cold_tier_continues_the_chain_after_the_hot_hits():
     bm = BlockManager(6, 4, "model-a")
     cold = with_cold(bm)
     first = computed(bm, seq(range(14)))  # three full named blocks and a partial one
-    named, names = first.block_table[:3], set(bm.seq_hashes[first.seq_id])
+    named, names = first.block_table[:3], set(first.block_hashes[:bm.num_named[first.seq_id]])
     bm.free_seq(first)
     assert sorted(cold.freed) == sorted(named)  # each named block was offered
     bm.free_seq(computed(bm, seq(range(100, 122))))  # takes all 6 blocks: the named ones are overwritten
@@ -128,7 +128,8 @@ def test_cold_tier_continues_the_chain_after_the_hot_hits():
     assert [b for b, *_ in again.cold_pending] == again.block_table[:3]
     bm.restored(again, 2)  # the third failed its check: it is computed again
     assert (again.num_computed_tokens, again.num_cached_tokens, again.num_cold_tokens) == (8, 8, 8)
-    assert bm.seq_hashes[again.seq_id] == [bm.blocks[b].hash for b in again.block_table[:2]]
+    assert bm.num_named[again.seq_id] == 2
+    assert again.block_hashes[:2] == [bm.blocks[b].hash for b in again.block_table[:2]]
     assert bm.stats()["cold_hit_tokens"] == 8 and again.cold_pending == []
     bm.mark_computed(again, again.num_uncomputed)
     hot = seq(range(14))
