@@ -44,29 +44,29 @@ class CpuDecode:
         for seq, _ in batch:
             p = seq.num_computed_tokens  # position of the new token; keys are [0, p]
             nb = p // bs + 1
-            start = None if native else contiguous_start(seq.block_table, nb)
-            if start is None and not native:
-                return None
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            slots.append(seq.block_table[nb - 1] * bs + p % bs)
             if native:
                 tables.append(seq.block_table[:nb])
             else:
+                start = contiguous_start(seq.block_table, nb)
+                if start is None:
+                    return None
                 spans.append((start * bs, start * bs + p + 1))
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[nb - 1] * bs + p % bs)
         from o3edge.engine.model import StepBatch  # model.py imports span_attention from here
 
         B = len(batch)
         slot_mapping = torch.tensor(slots)
         arange = torch.arange(B)
+        common = dict(slot_mapping=slot_mapping, q_dest=arange, attn_mask=None, num_seqs=B, max_q=1,
+                      logits_index=arange, dense=True)
         if native:
             width = max(len(t) for t in tables)
             table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-            step = StepBatch(slot_mapping=slot_mapping, q_dest=arange, kv_slots=None, attn_mask=None, num_seqs=B,
-                             max_q=1, logits_index=arange, dense=True, tables=table, block_size=bs)
+            step = StepBatch(**common, kv_slots=None, tables=table, block_size=bs)
         else:
-            step = StepBatch(slot_mapping=slot_mapping, q_dest=arange, kv_slots=slot_mapping[:, None], attn_mask=None,
-                             num_seqs=B, max_q=1, logits_index=arange, dense=True, kv_spans=tuple(spans))
+            step = StepBatch(**common, kv_slots=slot_mapping[:, None], kv_spans=tuple(spans))
         return torch.tensor(ids), torch.tensor(pos), step
 
 

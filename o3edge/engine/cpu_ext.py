@@ -34,12 +34,15 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 SOURCES = [SOURCE, SOURCE.with_name("cpu_step.cpp"), SOURCE.with_name("cpu_kernels.h")]  # the step: cpu_step.py
 NEEDS = {"avx512f", "avx512bw", "avx512_vnni"}
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+if os.environ.get("O3EDGE_CPU_PROFILE") == "1":  # the native step's phase timers (tools/profile_cpu_step.py)
+    _CFLAGS.append("-DO3_PROFILE")
 
 
 def build_dir() -> Path:
     """<XDG cache or ~/.cache>/o3edge/cpu_ext/<hash>: one build per source, torch version and flags."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + " ".join(_CFLAGS).encode())
+    source = b"".join(p.read_bytes() for p in SOURCES)
+    key = hashlib.sha256(source + torch.__version__.encode() + " ".join(_CFLAGS).encode())
     return Path(base) / "o3edge" / "cpu_ext" / key.hexdigest()[:16]
 
 
@@ -57,8 +60,9 @@ def available() -> bool:
 
         path = build_dir()
         path.mkdir(parents=True, exist_ok=True)
-        load(name="o3edge_cpu_" + path.name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"], build_directory=str(path),
-             extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load(name="o3edge_cpu_" + path.name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"],
+             build_directory=str(path), extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
+             verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: torch's kernels still work
         log.warning("o3edge CPU kernels unavailable (%s); using torch's kernels", str(exc).splitlines()[0][:200])
         return False
