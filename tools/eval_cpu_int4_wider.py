@@ -8,7 +8,7 @@ engine, the cpu-int4 preset, and the preset with its INT8 layers swapped in-proc
 (asymmetric, group 32 or 64, quantized from the FP32 weights; o3edge's VNNI INT4 kernel). Prints
 perplexity, mean KL from FP32 and top-1 agreement per variant. A one-off experiment for issue 13.
 """
-import os, sys, tempfile, logging
+import os, sys, tempfile
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "tools"))
 import torch
 import eval_reference as ev

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Resident memory of a CPU engine by stage (import torch, o3edge, the kernel library, engine load, two
-128-token generations) and the largest mappings at the end: python tools/rss_stages.py ENGINE_DIR."""
+128-token generations) and the largest mappings at the end: python tools/rss_stages.py ENGINE_DIR [PROMPT_JSON]
+(PROMPT_JSON: the CPU peers' prompt token ids, default /tmp/peer-cpu/models/prompt_smol-135m.json)."""
 import os, sys, resource, json
 sys.path.insert(0, os.getcwd())
 def rss(tag):
@@ -11,7 +12,7 @@ def rss(tag):
             d[k[:-1]] = int(v[0]) // 1024
     print(f"{tag:28s} maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MB  {d}", flush=True)
 rss("start")
-import torch
+import torch  # noqa: F401, E402 (a stage of its own)
 rss("import torch")
 from o3edge import O3Config, O3Model
 rss("import o3edge")
@@ -21,15 +22,11 @@ engine = O3Model.from_config(O3Config(model_path=sys.argv[1], device="cpu", num_
                                       max_model_len=1024, cpu_compile=os.environ.get("COMPILE") == "1")).engine
 rss("engine loaded")
 from o3edge.engine.sequence import SamplingParams
-prompt = json.load(open("/tmp/peer-cpu/models/prompt_smol-135m.json"))
+prompt = json.load(open(sys.argv[2] if len(sys.argv) > 2 else "/tmp/peer-cpu/models/prompt_smol-135m.json"))
 for i in range(2):
     engine.add_request(f"r{i}", prompt[16*i:] + prompt[:16*i], SamplingParams(max_new_tokens=128, ignore_eos=True))
     while engine.has_unfinished_requests(): engine.step()
     rss(f"after run {i}")
-import collections
-big = collections.Counter()
-for line in open("/proc/self/smaps"):
-    pass
 cur = None; rows = []
 for line in open("/proc/self/smaps"):
     parts = line.split()
