@@ -21,6 +21,7 @@ and machine give the same run (bitwise on CPU; CUDA kernels may differ in the la
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -241,15 +242,10 @@ def greedy_ids(model, ids: list[int], n: int, stop: set[int], device, autocast) 
     return out
 
 
-@torch.no_grad()
 def greedy(model, tok, prompt: str, n: int, device) -> str:
     """Plain greedy continuation (no KV cache): a sanity sample for the log."""
-    model.eval()
     ids = tok.encode(prompt).ids
-    for _ in range(n):
-        x = torch.tensor([ids[-model.cos.shape[0]:]], device=device)
-        ids.append(int(model(x)[0, -1].argmax()))
-    return tok.decode(ids)
+    return tok.decode(ids + greedy_ids(model, ids, n, set(), device, contextlib.nullcontext))
 
 
 # ---- training ---------------------------------------------------------------------------------
