@@ -83,12 +83,6 @@ def _run_wrappers() -> None:
     skinny_matmul(torch.zeros(1, 5632 * 2, dtype=h), torch.zeros(N, 5632, dtype=h), silu=True)  # one row: streamed
     skinny_matmul(torch.zeros(1, K, dtype=torch.bfloat16), q, scales_and_zeros=sz.to(torch.bfloat16), group_size=64,
                   out_features=N)  # INT4 one row, bfloat16 (the packed dot's other instruction set)
-    os.environ["O3EDGE_INT4_HALVES"] = "1"  # INT4, more rows: even and odd halves as two dots
-    try:
-        skinny_matmul(torch.zeros(8, K, dtype=h), q, scales_and_zeros=sz.to(torch.bfloat16), group_size=64,
-                      out_features=N)
-    finally:
-        del os.environ["O3EDGE_INT4_HALVES"]
     dequantize(q, sz.to(torch.bfloat16), 64, K, h)
     H, KVH, HD, bs = 32, 4, 64, 16
     qkv = torch.zeros(2, (H + 2 * KVH) * HD, dtype=h)

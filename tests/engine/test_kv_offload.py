@@ -264,8 +264,9 @@ def test_gpu_cold_hit_copies_a_chain_in_one_copy(tiny_dir, shm, expected):
     copier = m.engine.offloader.copier
     copies = copier.counts["cold_restore_copies"]
     generate(m, prompt)
-    assert m.engine.stats()["cold_restored_blocks"] >= 9  # all of SYSTEM's full blocks, in one copy
-    assert copier.counts["cold_restore_copies"] - copies == 1
+    full_blocks = (len(prompt) - 1) // 16  # the last prompt token is always computed
+    assert full_blocks >= 8 and m.engine.stats()["cold_restored_blocks"] == full_blocks
+    assert copier.counts["cold_restore_copies"] - copies == 1  # all of them in one copy
     m.engine.close()
 
 

@@ -201,25 +201,6 @@ def _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.
 
 
 @triton.jit
-def _int4_halves(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                 dtype: tl.constexpr):
-    """An INT4 tile's even and odd columns (high and low nibbles), each dequantized as weight_tile does:
-    two [BLOCK_N, BLOCK_K // 2] in dtype, each byte's scale and zero read for its own column pair.
-    With O3EDGE_INT4_HALVES=1, tiles of 2-64 rows multiply these as two dots instead of interleaving
-    them into one tile (whose join and reshape go through shared memory: 24 KB against 4 KB a program
-    compiled for sm_90). Opt-in until measured on a GPU."""
-    j = tl.arange(0, BLOCK_K // 2)
-    col = k0 + 2 * j  # the even column of byte j
-    ok = n_mask[:, None] & (col < K)[None, :]
-    q = tl.load(w_ptr + rn[:, None] * stride_w + (k0 // 2 + j)[None, :], mask=ok, other=0x88)
-    sz = sz_ptr + ((col // GROUP)[None, :] * N + rn[:, None]) * 2
-    scale = tl.load(sz, mask=ok, other=0.0).to(tl.float32)
-    zero = tl.load(sz + 1, mask=ok, other=0.0).to(tl.float32)
-    return ((_centered(q >> 4).to(tl.float32) * scale + zero).to(dtype),
-            (_centered(q & 0xF).to(tl.float32) * scale + zero).to(dtype))
-
-
-@triton.jit
 def _dot(x, w, acc, IEEE: tl.constexpr):
     """acc + x @ w.T on the tensor cores (float32 inputs: IEEE precision)."""
     if IEEE:
@@ -248,8 +229,7 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
                    M, N, K: tl.constexpr, stride_x, stride_w, stride_out, stride_split, eps, K_PER_SPLIT,
                    PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr,
-                   SPLITS: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr = False,
-                   HALVES: tl.constexpr = False):
+                   SPLITS: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr = False):
     pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -267,24 +247,16 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for i in range(ITERS):  # a constant: the interpreter takes no tensor as a bound
         k0 = pid_k * K_PER_SPLIT + i * BLOCK_K
-        if INT4 and HALVES and BLOCK_M > 1:  # even and odd columns as two dots: no interleave of the tile
-            even, odd = _int4_halves(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, dtype)
-            kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            acc = _dot(_input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kk, K, stride_x, rstd, PRO, dtype), even,
-                       acc, IEEE)
-            acc = _dot(_input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kk + 1, K, stride_x, rstd, PRO, dtype), odd,
-                       acc, IEEE)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kk, K, stride_x, rstd, PRO, dtype)
+        if BLOCK_M == 1 and INT4:
+            acc1 += _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
         else:
-            kk = k0 + tl.arange(0, BLOCK_K)
-            x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kk, K, stride_x, rstd, PRO, dtype)
-            if BLOCK_M == 1 and INT4:
-                acc1 += _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
+            w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype)
+            if BLOCK_M == 1:
+                acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
             else:
-                w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype)
-                if BLOCK_M == 1:
-                    acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-                else:
-                    acc = _dot(x, w, acc, IEEE)
+                acc = _dot(x, w, acc, IEEE)
     if BLOCK_M == 1:
         acc = acc1[None, :]
     if bias_ptr is not None:
@@ -346,16 +318,17 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, bias_ptr, out
 
 
 def packed_int4(x: torch.Tensor) -> bool:
-    """Whether one-row INT4 tiles use the packed half-precision dot (PACKED_DOT_*): with O3EDGE_INT4_PACKED=1,
-    on a CUDA GPU, for float16 and bfloat16 activations; otherwise (and always under the interpreter) the
-    float32 path. On the H200 it took gate/up at one row from 11.7 to 9.2 us (tinyllama) and a llama-1b
-    INT4-FFN step from 0.758 to 0.686 ms (docs/results/gpu-2026-12-01/int4-cold/). It stays opt-in until
-    its GPU test (tests/engine/test_gemv.py, marked gpu) has run on the device: its instructions were
-    checked by emulation and its data layout under the interpreter, not yet its output on a GPU. The same
-    trick for the dequantized tiles of 8-32 rows was faster at some shapes and slower at others in that
-    call, so those tiles keep the float32 path."""
+    """Whether one-row INT4 tiles use the packed half-precision dot (PACKED_DOT_*): on a CUDA GPU, for
+    float16 and bfloat16 activations, unless O3EDGE_INT4_PACKED=0; otherwise (and always under the
+    interpreter) the float32 path. On the H200 it took gate/up at one row from 11.7 to 9.2 us and down
+    from 9.1 to 7.2 us (tinyllama; llama-1b 15.1 to 11.7 and 11.5 to 9.0 us), and a llama-1b INT4-FFN
+    step from 0.758 to 0.686 ms (docs/results/gpu-2026-12-01/int4-packed/, int4-cold/); its output is
+    checked on the GPU at model shapes (tests/engine/test_gemv.py, marked gpu). The same trick for the
+    dequantized tiles of 8-32 rows was faster at some shapes and slower at others, and multiplying those
+    tiles' even and odd columns as two dots (no interleave through shared memory) was 1.7-7x slower, so
+    tiles of more rows keep the interleaved float32 dequantize."""
     return (x.is_cuda and not INTERPRET and x.dtype in (torch.float16, torch.bfloat16)
-            and os.environ.get("O3EDGE_INT4_PACKED") == "1")
+            and os.environ.get("O3EDGE_INT4_PACKED", "1") != "0")
 
 
 def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, ...]:
@@ -441,7 +414,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=on, PACKED=packed_int4(x) and int4 and M == 1,
-        HALVES=int4 and M > 1 and os.environ.get("O3EDGE_INT4_HALVES") == "1", num_warps=warps,
+        PDL=on, PACKED=packed_int4(x) and int4 and M == 1, num_warps=warps,
         **pdl.launch_options(on))
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
