@@ -46,10 +46,15 @@ def corpus(max_files: int = 200) -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int, texts: list[str], add_bos: bool = False) -> Tokenizer:
-    """A GPT-2 style byte-level BPE with exactly vocab_size entries (specials first)."""
+def train_tokenizer(vocab_size: int, texts: list[str], add_bos: bool = False,
+                    split_digits: bool = False) -> Tokenizer:
+    """A GPT-2 style byte-level BPE with exactly vocab_size entries (specials first); with split_digits
+    every digit is a token of its own (as Llama's tokenizer does), so a number reads the same wherever
+    it stands and copying it is one token per digit."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

@@ -67,7 +67,7 @@ def test_passkey_example_puts_the_key_where_it_says(tok, docs):
     assert passkey.found("12345", " 12345. Remember") and not passkey.found("12345", " 123456.")
 
 
-def test_passkey_rows_score_the_key_and_not_the_needle(tok, docs):
+def test_passkey_rows_score_the_key_and_not_the_needles_random_digits(tok, docs):
     stream = __import__("torch").tensor(tok.encode(" ".join(docs.values()) * 3).ids)
     b = Mix(tok, stream, [], seq_len=512, seed=3).batch(6, ["passkey"] * 6)
     again = Mix(tok, stream, [], seq_len=512, seed=3).batch(6, ["passkey"] * 6)
@@ -81,7 +81,8 @@ def test_passkey_rows_score_the_key_and_not_the_needle(tok, docs):
         text = tok.decode(ids.tolist(), skip_special_tokens=False)
         assert text.count(f"The pass key is {key}.") == 3  # twice in the needle, once answered
         assert not (lm & ans).any()
-        assert key not in tok.decode(targets[lm].tolist())  # the random key is never a language target
+        # the needle's first key (random digits) is never a target; its second (a copy) is, once
+        assert tok.decode(targets[lm].tolist()).count(key) == 1
 
 
 def test_doc_pairs_hold_out_what_they_claim(tok, docs):
@@ -142,3 +143,13 @@ def test_tiny_long_run_writes_a_checkpoint_o3edge_loads_and_chats_with(tmp_path,
     assert row["window"] == 256 and row["ppl"] > 1 and row["chat"]["n"] == 2
     assert row["passkey"]["by_length"][512] is None and row["passkey"]["tried"] == 2 * len(row["passkey"]["by_depth"])
     assert re.search(r"\| 256 \| .* \| n/a \| \d+% of 2 \|", table.read_text())  # 512 past its window
+
+
+def test_the_long_models_tokenizer_reads_every_digit_as_a_token(docs):
+    from o3edge.tiny import train_tokenizer
+
+    texts = list(docs.values()) + ["port 8080, 65125 and 1999 again: 8080 65125 1999"] * 50
+    split = train_tokenizer(600, texts, split_digits=True)
+    assert split.encode(" 65125.").tokens == ["Ġ", "6", "5", "1", "2", "5", "."]
+    assert split.decode(split.encode("The pass key is 65125.").ids) == "The pass key is 65125."
+    assert len(train_tokenizer(600, texts).encode(" 65125.").tokens) < 7  # plain BPE merges digits

@@ -2,9 +2,10 @@
 
 Each batch row is seq_len + 1 tokens of one kind (a fixed share of the rows per kind):
   corpus   a window of the training token stream; next-token loss everywhere
-  passkey  a pass-key example (tools/passkey.py) of random length and depth, its filler taken from
-           the stream, then <|endoftext|> and more stream text; loss on the key's tokens (answer) and
-           on the text around it (language), none on the needle itself
+  passkey  a pass-key example (tools/passkey.py) of log-uniform random length and uniform depth, its
+           filler taken from the stream, then <|endoftext|> and more stream text; loss on the key's
+           tokens (answer) and on the text around it (language), including the needle's second copy
+           of the key, none on its first (random digits)
   chat     ChatML conversations of documentation Q/A pairs (tools/doc_qa.py), one after another,
            each ended by <|endoftext|>; loss on each answer and its <|im_end|> only
 Rows come from a seeded generator: the same seed, stream and pairs give the same batches.
@@ -12,6 +13,7 @@ Rows come from a seeded generator: the same seed, stream and pairs give the same
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -67,13 +69,16 @@ class Mix:
         S, rng = self.seq_len, self.rng
         key = passkey.random_key(rng)
         answer_len = len(self.encode(passkey.ANSWER.format(k=key)))
-        length = rng.randint(self.min_len, S - answer_len - 1)
+        # log-uniform: as many keys at 128-512 tokens as at 1K-4K, where retrieval is learnt first
+        length = int(math.exp(rng.uniform(math.log(self.min_len), math.log(S - answer_len - 1))))
         ex = passkey.example(self.encode, self._text(length).tolist(), length, rng.random(), key)
         tail = S + 1 - length - len(ex.answer) - 1
         ids = torch.tensor(ex.prompt + ex.answer + [self.eot] + self._text(tail).tolist())
         lm, ans = torch.ones(S, dtype=torch.bool), torch.zeros(S, dtype=torch.bool)
-        needle_len = len(self.encode(passkey.NEEDLE.format(k=key)))
-        lm[max(0, ex.needle_at - 1):ex.needle_at + needle_len - 1] = False  # the needle's random digits
+        # no loss on the needle's first key (random digits); its second is a copy of the first, a short
+        # retrieval the model learns first
+        first_key_end = ex.needle_at + len(self.encode(passkey.NEEDLE.split("{k}")[0] + key))
+        lm[max(0, ex.needle_at - 1):first_key_end - 1] = False
         lm[length - 1:length - 1 + len(ex.answer)] = False
         ans[length - 1:length - 1 + len(ex.answer)] = True  # target t predicts ids[t + 1]
         return ids, lm, ans
