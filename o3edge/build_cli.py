@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("out", help="engine directory to write")
     b.add_argument("--int4-ffn", action=argparse.BooleanOptionalAction, default=True,
                    help="weight-only INT4 for the FFN projections (default: on)")
+    b.add_argument("--int4-all", action="store_true",
+                   help="INT4 for every linear layer, the attention projections and an untied LM head too "
+                        "(fewer bytes a token on the GPU; its precision cost is in the --check report)")
     b.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES, default=128,
                    help="INT4 group size along the input dimension (default: 128)")
     b.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
@@ -80,14 +83,15 @@ def build(a: argparse.Namespace, console: Console) -> int:
     t0 = time.perf_counter()
     total = len(hf_weight_map(read_model_args(a.src)))
     group = a.group_size if a.int4_ffn else None
-    what = f"{a.dtype}" + (f" + INT4 FFN (group {a.group_size})" if group else "")
+    what = f"{a.dtype}" + (f" + INT4 {'all linears' if a.int4_all else 'FFN'} (group {a.group_size})" if group else "")
     if a.preset:
         from o3edge.engine.cpu_quant import PRESETS
 
         what = f"preset {a.preset}: {PRESETS[a.preset].summary}"
     console.print(f"building {a.out} from {a.src}: {what}", markup=False)
     with _progress(console, total) as step:
-        manifest = build_engine_dir(a.src, a.out, getattr(torch, a.dtype), group, a.force, step, a.preset)
+        manifest = build_engine_dir(a.src, a.out, getattr(torch, a.dtype), group, a.force, step, a.preset,
+                                    a.int4_all)
     size = manifest.raw["weights"]["bytes"]
     console.print(f"wrote {a.out}: {size / 2**20:.1f} MiB of weights, {len(manifest.quantized)} INT4 modules, "
                   f"{len(manifest.int8_modules)} INT8 modules, {time.perf_counter() - t0:.1f} s", markup=False)

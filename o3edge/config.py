@@ -30,6 +30,7 @@ class O3Config:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     dynamic_kv_cache: bool = True  # paged KV cache with prefix reuse across requests
     int4_ffn: bool = False  # weight-only INT4 for the FFN projections
+    int4_all: bool = False  # with int4_ffn: INT4 for every linear (attention projections, an untied LM head)
     int4_group_size: int = 128
     kv_block_size: int = 32  # tokens per KV block
     num_kv_blocks: int | None = None  # None: max_num_seqs x max_model_len tokens, up to kv_cache_memory_mb

@@ -9,7 +9,7 @@ prompts (a new set for every generation, so prefix reuse never helps), 128 new g
 llama.cpp figures are parsed from the logs of `.peer/run.sh` (tools/bench_gpu_vs_llamacpp.sh runs it
 in the same device call); transformers runs in this process.
 
-  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--model DIR]
+  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--int4-all] [--model DIR]
          [--llamacpp BENCH_LOG,ENERGY_LOG] [--skip-hf] [--json OUT] [--plot OUT.png]
 """
 
@@ -76,9 +76,13 @@ def generation(model: O3Model, prompts: list[list[int]]) -> dict:
     return dict(wall_s=wall, decode_tok_s=B * (NEW - 1) / (wall - last_first), e2e_tok_s=B * NEW / wall)
 
 
-def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192):
+ALL = "o3edge INT4 (all linears)"
+
+
+def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192, int4_all=False):
     model = O3Model.from_config(O3Config(model_path=path, device="cuda", dtype=dtype, max_model_len=2048,
                                          max_num_seqs=max(batches), kv_cache_memory_mb=kv_mb, int4_ffn=int4,
+                                         int4_all=int4_all,
                                          max_num_batched_tokens=max(2048, PROMPT_LEN * max(batches))))
     prompts = Prompts(model.engine.info.args.vocab_size)
     generation(model, prompts(2))  # warm-up
@@ -183,8 +187,9 @@ def parse_llamacpp(bench_log: str, energy_log: str | None) -> dict:
     return {k: v for k, v in out.items() if any(key.startswith("b") for key in v)}
 
 
-def weight_bytes(model_path: str, dtype: str, int4: bool) -> float:
-    """Bytes one decode step must read: every weight once (INT4 FFN at 4.25 bits with group scales)."""
+def weight_bytes(model_path: str, dtype: str, int4: bool, int4_all: bool = False) -> float:
+    """Bytes one decode step must read: every weight once (INT4 at 4.25 bits with group scales: the FFN, or
+    with int4_all every linear)."""
     from o3edge.engine.checkpoint import read_model_args
 
     a = read_model_args(model_path)
@@ -193,6 +198,8 @@ def weight_bytes(model_path: str, dtype: str, int4: bool) -> float:
     ffn = 3 * a.hidden_size * a.intermediate_size
     head = a.vocab_size * a.hidden_size
     ffn_bytes = ffn * (0.5 + 4 / 128) if int4 else ffn * elem
+    if int4_all:
+        return (a.num_layers * (attn + ffn) + head) * (0.5 + 4 / 128)
     return a.num_layers * (attn * elem + ffn_bytes) + head * elem
 
 
@@ -203,6 +210,7 @@ def main():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--int4", action="store_true", help="also run o3edge with INT4 FFN weights")
+    ap.add_argument("--int4-all", action="store_true", help="also run o3edge with every linear in INT4")
     ap.add_argument("--model", help="existing checkpoint dir (default: make one with random weights)")
     ap.add_argument("--llamacpp", help="BENCH_LOG[,ENERGY_LOG] of .peer/run.sh from this same call")
     ap.add_argument("--reuse", help="o3edge figures from an earlier --json of this run (skip re-measuring)")
@@ -244,10 +252,13 @@ def measure(a, batches) -> dict:
     if a.int4:
         r["systems"]["o3edge INT4-FFN"] = bench_o3(path, a.dtype, batches, energy, int4=True)
         print("o3edge INT4-FFN", json.dumps(r["systems"]["o3edge INT4-FFN"]), flush=True)
+    if a.int4_all:
+        r["systems"][ALL] = bench_o3(path, a.dtype, batches, energy, int4=True, int4_all=True)
+        print(ALL, json.dumps(r["systems"][ALL]), flush=True)
     if not a.skip_hf:
         r["systems"]["transformers"] = bench_hf(path, a.dtype, batches, energy)
         print("transformers", json.dumps(r["systems"]["transformers"]), flush=True)
-    r["floor_ms"] = {k: weight_bytes(path, a.dtype, k.endswith("INT4-FFN")) / HBM_BYTES_PER_S * 1e3
+    r["floor_ms"] = {k: weight_bytes(path, a.dtype, k.endswith("INT4-FFN"), k == ALL) / HBM_BYTES_PER_S * 1e3
                      for k in r["systems"] if k.startswith("o3edge")}
     return r
 

@@ -71,6 +71,7 @@ def main():
     ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--int4", action="store_true")
+    ap.add_argument("--int4-all", action="store_true", help="with --int4: every linear in INT4")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--model")
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of the GPU's memory (H200)")
@@ -84,7 +85,8 @@ def main():
 
         make_checkpoint(path, **SHAPES[a.shape])
     m = O3Model.from_config(O3Config(model_path=path, device="cuda", dtype=a.dtype, max_model_len=2048,
-                                     max_num_seqs=max(32, a.batch), kv_cache_memory_mb=4096, int4_ffn=a.int4))
+                                     max_num_seqs=max(32, a.batch), kv_cache_memory_mb=4096, int4_ffn=a.int4,
+                                     int4_all=a.int4_all))
     e, r = m.engine, m.engine.runner
     g = torch.Generator().manual_seed(0)
     for i in range(a.batch):
@@ -98,7 +100,7 @@ def main():
     B = next(b for b in graphs.batch_buckets if b >= n)
     graphs._launch(batch, B)  # the step's metadata in place (and the step run once)
     ids, pos, step = r.prepare(batch)
-    out = {"shape": a.shape, "dtype": a.dtype, "int4": a.int4, "batch": n, "layers": e.info.args.num_layers,
+    out = {"shape": a.shape, "dtype": a.dtype, "int4": a.int4, "int4_all": a.int4_all, "batch": n, "layers": e.info.args.num_layers,
            "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
     unfused = partial(decode_forward, r.model, graphs.meta[:B], r.cos, r.sin, r.kv_cache, graphs.block_size,
                       graphs.splits[B], fused=False)

@@ -112,7 +112,8 @@ class LLMEngine:
             model, args, dtype, fp = None, read_model_args(model_dir), onnx_dtype(model_dir), onnx_fingerprint(model_dir)
         else:
             dtype = resolve_dtype(config.dtype, device, built_dtype(model_dir))
-            model, args = load_model(model_dir, device, dtype, config.int4_ffn, config.int4_group_size)
+            model, args = load_model(model_dir, device, dtype, config.int4_ffn, config.int4_group_size,
+                                      config.int4_all)
             fp = fingerprint(model_dir) + int4_tag(model) + int8_tag(model)  # quantized logits: not the same model
         self.tokenizer = Tokenizer(model_dir)
         max_len = min(config.max_model_len or min(args.max_position_embeddings, 4096), args.max_position_embeddings)

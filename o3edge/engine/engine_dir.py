@@ -202,8 +202,10 @@ def write_manifest(engine_dir: str, raw: dict) -> None:
 
 
 def build_engine_dir(src_dir: str, out_dir: str, dtype: torch.dtype, int4_group_size: int | None,
-                     force: bool = False, progress=None, preset: str | None = None) -> Manifest:
+                     force: bool = False, progress=None, preset: str | None = None,
+                     int4_all: bool = False) -> Manifest:
     """Write an engine directory for a Hugging Face checkpoint; progress(name) after each tensor.
+    With int4_group_size, the FFN projections are INT4 (int4_all: every linear layer).
 
     A preset (cpu_quant.PRESETS) sets the dtype, INT4 group and INT8 modules itself.
 
@@ -228,7 +230,7 @@ def build_engine_dir(src_dir: str, out_dir: str, dtype: torch.dtype, int4_group_
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     try:
-        state = build_state_dict(args, load_tensors(src_dir), dtype, int4_group_size, progress, int8)
+        state = build_state_dict(args, load_tensors(src_dir), dtype, int4_group_size, progress, int8, int4_all)
         weights = os.path.join(partial, WEIGHTS)
         save_file({k: v.contiguous() for k, v in state.items()}, weights, metadata={"format": "pt"})
         os.chmod(weights, 0o644)  # safetensors writes 0600; the daemon's own user must be able to read it

@@ -46,10 +46,10 @@ def on_meta():
         yield
 
 
-def int4_modules(args: ModelArgs, group_size: int) -> list[str]:
-    """The FFN projections of this architecture that INT4 applies to."""
+def int4_modules(args: ModelArgs, group_size: int, every_linear: bool = False) -> list[str]:
+    """The linears of this architecture that INT4 applies to: the FFN projections, or every linear."""
     with on_meta():
-        return quantizable(Transformer(args), group_size)
+        return quantizable(Transformer(args), group_size, every_linear)
 
 
 def preset_int8_modules(args: ModelArgs, preset: Preset) -> list[str]:
@@ -59,15 +59,17 @@ def preset_int8_modules(args: ModelArgs, preset: Preset) -> list[str]:
 
 
 def build_state_dict(args: ModelArgs, tensors: dict, dtype: torch.dtype, int4_group_size: int | None = None,
-                     progress: Callable[[str], None] | None = None, int8_modules: list[str] = ()) -> dict:
+                     progress: Callable[[str], None] | None = None, int8_modules: list[str] = (),
+                     int4_all: bool = False) -> dict:
     """Our state dict from Hugging Face tensors: fused q/k/v and gate/up, cast to dtype.
 
-    With int4_group_size, the FFN projections become <name>.qweight and <name>.scales_and_zeros;
+    With int4_group_size, the FFN projections (int4_all: every linear) become <name>.qweight and
+    <name>.scales_and_zeros;
     int8_modules become <name>.qweight8 and <name>.scales8 (a tied LM head: a copy of the
     embedding, which stays dense for the lookup). Both are quantized from the checkpoint's own
     precision (not from the cast copy).
     """
-    to_int4 = set(int4_modules(args, int4_group_size)) if int4_group_size else set()
+    to_int4 = set(int4_modules(args, int4_group_size, int4_all)) if int4_group_size else set()
     to_int8 = set(int8_modules)
     with on_meta():
         shapes = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
@@ -112,21 +114,21 @@ def check_shapes(model: Transformer, state: dict) -> None:
 
 
 def load_model(model_dir: str, device: torch.device, dtype: torch.dtype, int4_ffn: bool = False,
-               int4_group_size: int = 128) -> tuple[Transformer, ModelArgs]:
+               int4_group_size: int = 128, int4_all: bool = False) -> tuple[Transformer, ModelArgs]:
     """Read a checkpoint or engine directory into an eval-mode Transformer.
 
-    int4_ffn quantizes the FFN projections at load time unless the engine directory already
-    holds them in INT4 (then its own group size stands).
+    int4_ffn quantizes the FFN projections (with int4_all, every linear layer) at load time unless
+    the engine directory already holds INT4 modules (then its own modules and group size stand).
     """
     mapped = []  # INT4/INT8 tensors read from the engine file (mmap), packed into copies by instantiate
     if is_engine_dir(model_dir):
-        args, state, group, stored = _engine_state(model_dir, dtype, int4_ffn, int4_group_size)
+        args, state, group, stored = _engine_state(model_dir, dtype, int4_ffn, int4_group_size, int4_all)
         mapped = [state[f"{name}.qweight"] for name in stored]
         mapped += [v for k, v in state.items() if k.endswith(".qweight8")]
     else:
         args = read_model_args(model_dir)
         group = int4_group_size if int4_ffn else None
-        state = build_state_dict(args, load_tensors(model_dir), dtype, group)
+        state = build_state_dict(args, load_tensors(model_dir), dtype, group, int4_all=int4_all)
     # engine dir: drop each INT8 tensor's file pages as soon as it is packed, so they never pile up
     model = instantiate(args, state, device, group, release=_release_memory if mapped else None)
     if mapped:
@@ -150,7 +152,7 @@ def _release_memory(mapped: list[torch.Tensor]) -> None:
     libc.malloc_trim(0)
 
 
-def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size: int):
+def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size: int, int4_all: bool):
     manifest = read_manifest(model_dir)
     state = load_weights(manifest)
     stored = sorted(k.removesuffix(".qweight") for k in state if k.endswith(".qweight"))
@@ -167,7 +169,7 @@ def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size
     group = manifest.group_size
     if int4_ffn and group is None:
         group = group_size
-        for name in int4_modules(manifest.args, group):
+        for name in int4_modules(manifest.args, group, int4_all):
             weight = state.pop(name + ".weight")
             state[name + ".qweight"], state[name + ".scales_and_zeros"] = quantize_int4(weight, group)
     elif group is not None and group != group_size:

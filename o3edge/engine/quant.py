@@ -156,16 +156,17 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 
-def ffn_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """The FFN projections INT4 applies to, by module name (layers.i.mlp.gate_up / .down)."""
+def int4_linears(model: nn.Module, every_linear: bool = False) -> dict[str, nn.Linear]:
+    """The linears INT4 applies to, by module name: the FFN projections (layers.i.mlp.gate_up / .down), or
+    with every_linear all of them (the attention projections and an untied LM head too)."""
     return {name: mod for name, mod in model.named_modules()
-            if isinstance(mod, nn.Linear) and name.endswith(FFN_MODULES)}
+            if isinstance(mod, nn.Linear) and (every_linear or name.endswith(FFN_MODULES))}
 
 
-def quantizable(model: nn.Module, group_size: int) -> list[str]:
-    """Names of the FFN linears whose shapes torch's INT4 packers accept."""
+def quantizable(model: nn.Module, group_size: int, every_linear: bool = False) -> list[str]:
+    """Names of the linears (int4_linears) whose shapes torch's INT4 packers accept."""
     names = []
-    for name, mod in ffn_linears(model).items():
+    for name, mod in int4_linears(model, every_linear).items():
         if can_quantize(mod.out_features, mod.in_features, group_size) and mod.bias is None:
             names.append(name)
         else:
@@ -192,5 +193,7 @@ def swap_to_int4(model: nn.Module, names: list[str], group_size: int) -> dict[st
 
 def int4_tag(model: nn.Module) -> str:
     """A short identity of the model's quantization ('' when dense), for cache keys and logs."""
-    groups = sorted({m.group_size for m in model.modules() if isinstance(m, Int4Linear)})
-    return "".join(f":int4g{g}" for g in groups)
+    int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    groups = sorted({m.group_size for m in int4.values()})
+    beyond_ffn = any(not name.endswith(FFN_MODULES) for name in int4)
+    return "".join(f":int4g{g}" for g in groups) + (":all" if beyond_ffn else "")

@@ -99,6 +99,31 @@ def test_int4_ffn_at_load_swaps_only_the_ffn(tiny_dir):
     assert len(model.generate("import os", max_new_tokens=8).token_ids) == 8
 
 
+def test_int4_all_quantizes_every_linear_and_an_engine_dir_keeps_them(tiny_dir, tmp_path):
+    """int4_all: the attention projections and the (untied) LM head are INT4 too, the fingerprint says so
+    (no KV block is shared with the INT4-FFN model), and `o3edge build --int4-all` stores the same set."""
+    from o3edge.build_cli import main as build_main
+
+    cfg = dict(model_path=tiny_dir, device="cpu", dtype="float32", int4_ffn=True, int4_group_size=64)
+    ffn = O3Model.from_config(O3Config(**cfg))
+    every = O3Model.from_config(O3Config(**cfg, int4_all=True))
+    net = every.engine.runner.model
+    tied = net.lm_head is None
+    for layer in net.layers:
+        assert all(isinstance(m, Int4Linear) for m in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up,
+                                                        layer.mlp.down))
+    assert tied or isinstance(net.lm_head, Int4Linear)
+    assert int4_tag(net) == ":int4g64:all" and every.engine.info.fingerprint != ffn.engine.info.fingerprint
+    out = every.generate("import os", max_new_tokens=8)
+    assert len(out.token_ids) == 8
+    engine = str(tmp_path / "engine")
+    assert build_main(["build", tiny_dir, engine, "--int4-all", "--group-size", "64", "--dtype", "float32"]) == 0
+    built = O3Model.from_config(O3Config(model_path=engine, device="cpu", dtype="float32"))
+    names = {n for n, m in built.engine.runner.model.named_modules() if isinstance(m, Int4Linear)}
+    assert names == {n for n, m in net.named_modules() if isinstance(m, Int4Linear)}
+    assert built.generate("import os", max_new_tokens=8).token_ids == out.token_ids
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,group", [(1408, 256, 32), (3072, 576, 128), (576, 1536, 256), (256, 704, 64)])
 def test_int4_linear_matches_dequantized_reference_cuda(n, k, group):
