@@ -97,3 +97,22 @@ def test_programmatic_dependent_launch_changes_no_token(checkpoints, monkeypatch
         monkeypatch.delenv("O3EDGE_PDL")
         pdl.reload()
     assert a == b and a1 == b1
+
+
+@pytest.mark.parametrize("group_dots", ["0", "1"])
+def test_int4_everywhere_decodes_in_graphs_as_its_modules_do_eagerly(checkpoints, monkeypatch, group_dots):
+    """Every linear INT4 (attention, FFN, the untied LM head): the graph step's skinny INT4 kernels (packed
+    dot at one row, dequantized tiles or group dots at 4 rows) give the eager modules' greedy tokens."""
+    from o3edge.engine.quant import Int4Linear
+
+    monkeypatch.setenv("O3EDGE_INT4_GROUP_DOTS", group_dots)
+    path = checkpoints("llama3-rope-untied")
+    kw = dict(int4_ffn=True, int4_all=True, int4_group_size=32)
+    graphs, eager = engine(path, "bfloat16", **kw), engine(path, "bfloat16", cuda_graphs=False, **kw)
+    assert isinstance(graphs.engine.runner.model.lm_head, Int4Linear)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    prompts = [graphs.engine.encode(p) for p in PROMPTS]
+    for batch in (prompts[:1], prompts):
+        a = [r.token_ids for r in graphs.generate_batch(batch, params)]
+        b = [r.token_ids for r in eager.generate_batch(batch, params)]
+        assert sum(x == y for x, y in zip(a, b)) >= len(batch) - 1  # one bf16 near-tie at most
