@@ -16,10 +16,12 @@ t0=$(date +%s)
 # device events, which the build's CPU load does not touch); the end-to-end benchmarks wait for it
 bash .peer/run.sh build > "$OUT/llamacpp-build.log" 2>&1 &
 build=$!
-python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --variants "${STEP_VARIANTS-O3EDGE_GEMV_STREAM=0}" --json "$OUT/profile-llama1b-bf16.json" 2>&1 | grep -v -i warn
-[ "${TINY_PROFILE:-1}" = 1 ] && python3 tools/profile_gpu_step.py --shape tinyllama-1.1b --dtype float16 --variants "O3EDGE_GEMV_STREAM=0" --json "$OUT/profile-tinyllama-fp16.json" 2>&1 | grep -v -i warn
-python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --int4 --variants "O3EDGE_INT4_PACKED=0" --json "$OUT/profile-llama1b-int4.json" 2>&1 | grep -v -i warn
-python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --int4 --int4-all --variants "" --json "$OUT/profile-llama1b-int4-all.json" 2>&1 | grep -v -i warn
+if [ "${PROFILE:-1}" = 1 ]; then  # PROFILE=0: no step profiles (e.g. when DURING_BUILD needs the time)
+  python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --variants "O3EDGE_GEMV_STREAM=0" --json "$OUT/profile-llama1b-bf16.json" 2>&1 | grep -v -i warn
+  python3 tools/profile_gpu_step.py --shape tinyllama-1.1b --dtype float16 --variants "O3EDGE_GEMV_STREAM=0" --json "$OUT/profile-tinyllama-fp16.json" 2>&1 | grep -v -i warn
+  python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --int4 --variants "O3EDGE_INT4_PACKED=0" --json "$OUT/profile-llama1b-int4.json" 2>&1 | grep -v -i warn
+  python3 tools/profile_gpu_step.py --shape llama-1b --dtype bfloat16 --int4 --int4-all --variants "" --json "$OUT/profile-llama1b-int4-all.json" 2>&1 | grep -v -i warn
+fi
 [ "${GEMV:-1}" = 1 ] && python3 tools/bench_gemv.py --json "$OUT/gemv.json" 2>&1 | grep -v -i warn | grep -v "^best"
 [ -n "${DURING_BUILD:-}" ] && bash -c "$DURING_BUILD"  # more GPU-only work (e.g. a kernel A/B)
 echo "GPU-only part done at $(( $(date +%s) - t0 )) s"
