@@ -6,7 +6,8 @@
 # `python tools/bench_gpu.py --reuse OUT.json --plot PNG` where matplotlib is installed.
 #   bash ../shared/peers/gpu/prepare.sh && bash ../shared/device/fetch-wheels.sh   # here, once
 #   device run (carry .peer and .whl): bash tools/bench_gpu_vs_llamacpp.sh   (GEMV=0: without bench_gemv)
-# DURING_BUILD="commands" runs more GPU-only measurements while llama.cpp builds (about 4.5 minutes).
+# DURING_BUILD="commands" runs more GPU-only measurements while llama.cpp builds (about 4.5 minutes);
+# AFTER="commands" runs at the end (e.g. GPU tests with what is left of the call).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -33,3 +34,4 @@ bash .peer/run.sh bench > "$OUT/llamacpp-bench.log" 2>&1
 python3 tools/bench_gpu.py --model /tmp/lcw/ckpt --shape tinyllama-1.1b --dtype float16 --int4 --int4-all --skip-hf \
   --reuse "$OUT/o3edge-only.json" --llamacpp "$OUT/llamacpp-bench.log" --json "$OUT/tinyllama-fp16.json"
 echo "elapsed $(( $(date +%s) - t0 )) s"
+[ -n "${AFTER:-}" ] && bash -c "$AFTER"
