@@ -83,15 +83,6 @@ def _run_wrappers() -> None:
     skinny_matmul(torch.zeros(1, 5632 * 2, dtype=h), torch.zeros(N, 5632, dtype=h), silu=True)  # one row: streamed
     skinny_matmul(torch.zeros(1, K, dtype=torch.bfloat16), q, scales_and_zeros=sz.to(torch.bfloat16), group_size=64,
                   out_features=N)  # INT4 one row, bfloat16 (the packed dot's other instruction set)
-    os.environ["O3EDGE_INT4_GROUP_DOTS"] = "1"  # INT4, more rows: two dots a group on the raw nibbles
-    try:
-        for dt in (h, torch.bfloat16):
-            skinny_matmul(torch.zeros(8, K, dtype=dt), q, scales_and_zeros=sz.to(torch.bfloat16), group_size=64,
-                          out_features=N)
-            skinny_matmul(torch.zeros(32, 2 * K, dtype=dt), q, scales_and_zeros=sz.to(torch.bfloat16),
-                          group_size=64, out_features=N, silu=True)
-    finally:
-        del os.environ["O3EDGE_INT4_GROUP_DOTS"]
     dequantize(q, sz.to(torch.bfloat16), 64, K, h)
     H, KVH, HD, bs = 32, 4, 64, 16
     qkv = torch.zeros(2, (H + 2 * KVH) * HD, dtype=h)

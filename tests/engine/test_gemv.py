@@ -79,9 +79,7 @@ def test_silu_prologue_matches_silu_mul_then_linear(dtype, M, config):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16])
 @pytest.mark.parametrize("M", [1, 8, 33])
 @pytest.mark.parametrize("K,group", [(256, 64), (320, 64), (512, 128)])
-@pytest.mark.parametrize("group_dots", ["0", "1"])  # more rows: one dequantized tile, or two dots per group
-def test_int4_weights_match_the_dequantized_linear(dtype, M, K, group, group_dots, monkeypatch):
-    monkeypatch.setenv("O3EDGE_INT4_GROUP_DOTS", group_dots)
+def test_int4_weights_match_the_dequantized_linear(dtype, M, K, group):
     N = 48
     g, x, w = _data(M, N, K, dtype, K + group)
     qw, sz = quantize_int4(w.float().cpu(), group)

@@ -201,43 +201,6 @@ def _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.
 
 
 @triton.jit
-def _nibbles(n, dtype: tl.constexpr):
-    """Nibbles 0..15 -> (n - 8), exact, in dtype: by bits for the half types (bf16: 0x4300 | n is 128 + n)."""
-    if dtype == tl.float16:
-        return _centered(n)
-    if dtype == tl.bfloat16:
-        return (n.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
-    return n.to(dtype) - 8.0
-
-
-@triton.jit
-def _int4_group_dots(acc, x_ptr, res_ptr, nw_ptr, rm, m_mask, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_x,
-                     stride_w, rstd, PRO: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                     IEEE: tl.constexpr, dtype: tl.constexpr):
-    """acc + prologue(x) @ W.T over an INT4 tile, a group at a time: q - 8 is exact in the activations'
-    dtype, so each group is two tensor-core dots on the raw nibbles (even columns against the high
-    nibbles, odd against the low), and the group's scale and zero apply to their [rows, BLOCK_N] result:
-    scale * (x . (q - 8)) + zero * sum x. No float32 dequantize per weight and no interleave of the
-    halves into one tile (O3EDGE_INT4_GROUP_DOTS=1; opt-in until measured on a GPU)."""
-    j = tl.arange(0, GROUP // 2)
-    for g in tl.static_range(BLOCK_K // GROUP):
-        kg = k0 + g * GROUP
-        in_k = kg < K
-        q = tl.load(w_ptr + rn[:, None] * stride_w + (kg // 2 + j)[None, :], mask=n_mask[:, None] & in_k,
-                    other=0x88)
-        sz = sz_ptr + ((kg // GROUP) * N + rn) * 2
-        scale = tl.load(sz, mask=n_mask & in_k, other=0.0).to(tl.float32)
-        zero = tl.load(sz + 1, mask=n_mask & in_k, other=0.0).to(tl.float32)
-        xe = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kg + 2 * j, K, stride_x, rstd, PRO, dtype)
-        xo = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kg + 2 * j + 1, K, stride_x, rstd, PRO, dtype)
-        part = _dot(xe, _nibbles(q >> 4, dtype), tl.zeros_like(acc), IEEE)
-        part = _dot(xo, _nibbles(q & 0xF, dtype), part, IEEE)
-        xsum = tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1)
-        acc += part * scale[None, :] + xsum[:, None] * zero[None, :]
-    return acc
-
-
-@triton.jit
 def _dot(x, w, acc, IEEE: tl.constexpr):
     """acc + x @ w.T on the tensor cores (float32 inputs: IEEE precision)."""
     if IEEE:
@@ -266,8 +229,7 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
                    M, N, K: tl.constexpr, stride_x, stride_w, stride_out, stride_split, eps, K_PER_SPLIT,
                    PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr,
-                   SPLITS: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr = False,
-                   GROUP_DOTS: tl.constexpr = False):
+                   SPLITS: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr = False):
     pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -285,20 +247,16 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for i in range(ITERS):  # a constant: the interpreter takes no tensor as a bound
         k0 = pid_k * K_PER_SPLIT + i * BLOCK_K
-        if INT4 and GROUP_DOTS and BLOCK_M > 1:
-            acc = _int4_group_dots(acc, x_ptr, res_ptr, nw_ptr, rm, m_mask, w_ptr, sz_ptr, rn, n_mask, k0, K, N,
-                                   stride_x, stride_w, rstd, PRO, GROUP, BLOCK_K, IEEE, dtype)
+        x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, k0 + tl.arange(0, BLOCK_K), K, stride_x, rstd, PRO,
+                        dtype)
+        if BLOCK_M == 1 and INT4:
+            acc1 += _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
         else:
-            x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, k0 + tl.arange(0, BLOCK_K), K, stride_x, rstd, PRO,
-                            dtype)
-            if BLOCK_M == 1 and INT4:
-                acc1 += _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
+            w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype)
+            if BLOCK_M == 1:
+                acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
             else:
-                w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype)
-                if BLOCK_M == 1:
-                    acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-                else:
-                    acc = _dot(x, w, acc, IEEE)
+                acc = _dot(x, w, acc, IEEE)
     if BLOCK_M == 1:
         acc = acc1[None, :]
     if bias_ptr is not None:
@@ -366,9 +324,11 @@ def packed_int4(x: torch.Tensor) -> bool:
     from 9.1 to 7.2 us (tinyllama; llama-1b 15.1 to 11.7 and 11.5 to 9.0 us), and a llama-1b INT4-FFN
     step from 0.758 to 0.686 ms (docs/results/gpu-2026-12-01/int4-packed/, int4-cold/); its output is
     checked on the GPU at model shapes (tests/engine/test_gemv.py, marked gpu). The same trick for the
-    dequantized tiles of 8-32 rows was faster at some shapes and slower at others, and multiplying those
-    tiles' even and odd columns as two dots (no interleave through shared memory) was 1.7-7x slower, so
-    tiles of more rows keep the interleaved float32 dequantize."""
+    dequantized tiles of 8-32 rows was faster at some shapes and slower at others; multiplying those
+    tiles' even and odd columns as two dots (no interleave through shared memory) was 1.7-7x slower, and
+    two dots a group on the raw nibbles with the scales applied after, 1.9-5.9x slower
+    (docs/results/gpu-2026-12-01/int4-ab/, fifth/), so tiles of more rows keep the interleaved float32
+    dequantize."""
     return (x.is_cuda and not INTERPRET and x.dtype in (torch.float16, torch.bfloat16)
             and os.environ.get("O3EDGE_INT4_PACKED", "1") != "0")
 
@@ -456,7 +416,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=on, PACKED=packed_int4(x) and int4 and M == 1,
-        GROUP_DOTS=int4 and M > 1 and os.environ.get("O3EDGE_INT4_GROUP_DOTS") == "1", num_warps=warps,
+        PDL=on, PACKED=packed_int4(x) and int4 and M == 1, num_warps=warps,
         **pdl.launch_options(on))
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
