@@ -60,6 +60,11 @@ def cpu_features() -> frozenset[str]:
                                                    "avx512_bf16", "amx_int8", "amx_bf16"}
 
 
+def cpu_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    return bool(cpu_features() & {"avx512_bf16", "amx_bf16"})
+
+
 def has_fbgemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 

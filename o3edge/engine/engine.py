@@ -14,7 +14,7 @@ from o3edge.engine.block_manager import BlockManager
 from o3edge.engine.checkpoint import ModelArgs, fingerprint, read_model_args, weight_files
 from o3edge.engine.cold_tier import model_identity, open_cold_tier
 from o3edge.engine.cpu_decode import default_num_threads
-from o3edge.engine.cpu_quant import int8_tag
+from o3edge.engine.cpu_quant import cpu_bf16, int8_tag
 from o3edge.engine.engine_dir import built_dtype
 from o3edge.engine.faults import MAX_FAILED_STEPS, is_fatal, recover
 from o3edge.engine.loader import load_model
@@ -81,8 +81,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, built: torch.dtype | None = None) -> torch.dtype:
-    """The dtype to run in; "auto" takes an engine directory's built dtype when there is one."""
+    """The dtype to run in; "auto" takes an engine directory's built dtype when there is one, except a
+    bfloat16 build on a CPU without native bf16 (no AVX512-BF16 or AMX), which runs in float32: dense
+    bf16 products are emulated there and many times slower."""
     if name == "auto":
+        if built == torch.bfloat16 and device.type == "cpu" and not cpu_bf16():
+            return torch.float32
         return built or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return getattr(torch, name)
 

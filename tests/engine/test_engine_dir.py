@@ -249,3 +249,16 @@ def test_engine_dir_built_on_cpu_runs_on_cuda(int4_engine):
     assert ((a - b).norm() / a.norm()).item() < 0.02
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.9
     assert len(O3Model(gpu).generate(PROMPTS[0], max_new_tokens=16).token_ids) > 0
+
+
+def test_a_bf16_engine_runs_in_float32_on_a_cpu_without_native_bf16(monkeypatch):
+    """dtype "auto" takes the engine's built dtype, except bf16 on a CPU that only emulates it."""
+    import o3edge.engine.engine as eng
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(eng, "cpu_bf16", lambda: False)
+    assert eng.resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32
+    assert eng.resolve_dtype("bfloat16", cpu, torch.bfloat16) == torch.bfloat16  # asked for by name
+    assert eng.resolve_dtype("auto", torch.device("cuda"), torch.bfloat16) == torch.bfloat16
+    monkeypatch.setattr(eng, "cpu_bf16", lambda: True)
+    assert eng.resolve_dtype("auto", cpu, torch.bfloat16) == torch.bfloat16
