@@ -100,8 +100,8 @@ def token_array(ids, vocab: int) -> array | None:
     """ids as int32 if they are all integers in [0, vocab), else None. C loops, not Python ones (this is on
     the TTFT path): a sum that stays an int (a float, a numpy integer or a string makes it something else
     or fails it; bools and int subclasses pass), then one int32 copy whose range numpy checks. The copy is
-    kept: the block hashes are taken from its bytes. 16K ids: 0.3 ms here, where the types and min/max
-    took 0.7."""
+    kept: the block hashes are taken from its bytes. 16K ids: about half the time of the set of types,
+    min and max it replaces (and the hashes need no copy of their own)."""
     try:
         if type(sum(ids)) is not int:
             return None
