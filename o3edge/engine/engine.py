@@ -8,7 +8,6 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 
 from o3edge.config import O3Config
@@ -99,7 +98,7 @@ def kv_blocks_needed(config: O3Config, max_len: int, block_bytes: int) -> int:
 def token_array(ids, vocab: int) -> array | None:
     """ids as int32 if they are all integers in [0, vocab), else None. C loops, not Python ones (this is on
     the TTFT path): a sum that stays an int (a float, a numpy integer or a string makes it something else
-    or fails it; bools and int subclasses pass), then one int32 copy whose range numpy checks. The copy is
+    or fails it; bools and int subclasses pass), then one int32 copy whose range torch checks. The copy is
     kept: the block hashes are taken from its bytes. 16K ids: about half the time of the set of types,
     min and max it replaces (and the hashes need no copy of their own)."""
     try:
@@ -108,7 +107,7 @@ def token_array(ids, vocab: int) -> array | None:
         checked = array("i", ids)
     except (TypeError, OverflowError):  # OverflowError: beyond int32, so beyond any vocabulary
         return None
-    values = np.frombuffer(checked, dtype=np.int32)
+    values = torch.frombuffer(checked, dtype=torch.int32)
     return checked if values.min() >= 0 and values.max() < vocab else None
 
 
