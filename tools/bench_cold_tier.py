@@ -280,6 +280,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="1000", help="comma-separated prefix lengths in tokens")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, help="CPU threads for torch")
+    ap.add_argument("--block-size", type=int, default=O3Config.kv_block_size, help="KV block size in tokens")
     ap.add_argument("--cold-tier-mb", type=int, default=0, help="default: room for the longest prefix twice")
     ap.add_argument("--cold-tier-dir", default="/dev/shm")
     ap.add_argument("--decode-batch", type=int, default=0, help="also measure the offload's cost to decoding")
@@ -308,7 +309,7 @@ def main() -> None:
             make_checkpoint(model_dir, **SHAPES[a.shape])
     longest = max(max(lengths) + SUFFIX + 1, 512 if a.decode_batch else 0)  # decoding runs ~250 steps
     probe = LLMEngine(O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, num_kv_blocks=2, cuda_graphs=False,
-                               max_model_len=longest + 1), model_dir)
+                               max_model_len=longest + 1, kv_block_size=a.block_size), model_dir)
     block_mb = probe.info.kv_cache_bytes / 2 / 2**20
     blocks_needed = -(-longest // probe.info.kv_block_size)
     del probe
@@ -316,7 +317,7 @@ def main() -> None:
     cold_mb = a.cold_tier_mb or int(block_mb * blocks_needed * 2) + 8
     config = O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, max_model_len=longest + 1,
                       num_kv_blocks=max(blocks_needed * 2 + 2, a.decode_batch * 12), max_num_batched_tokens=longest,
-                      max_num_seqs=max(32, a.decode_batch),
+                      max_num_seqs=max(32, a.decode_batch), kv_block_size=a.block_size,
                       cold_tier_mb=cold_mb, cold_tier_dir=a.cold_tier_dir, num_threads=a.threads)
     engine = LLMEngine(config, model_dir)
     assert engine.offloader is not None, "the cold tier did not start (see the warning above)"

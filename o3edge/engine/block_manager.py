@@ -15,17 +15,31 @@ before a free block is handed out again (its outgoing copy must be made before i
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable, Protocol
 
 from o3edge.engine.sequence import Sequence
 
 
+_BLANK = hashlib.blake2b(digest_size=16)
+
+
 def chain_hash(parent: bytes, token_ids) -> bytes:
     """The name of a full block: its tokens and everything before them."""
     return hashlib.blake2b(parent + array("i", token_ids).tobytes(), digest_size=16).digest()
+
+
+def token_bytes(seq: Sequence, lo: int, hi: int) -> bytes:
+    """seq.token_ids[lo:hi] as int32 bytes (what chain_hash hashes), from the checked prompt's copy when it
+    has them."""
+    prompt = seq.prompt_array
+    if prompt is not None and len(prompt) >= hi:
+        return memoryview(prompt)[lo:hi].tobytes()
+    return array("i", seq.token_ids[lo:hi]).tobytes()
 
 
 @dataclass
@@ -38,7 +52,9 @@ class Block:
 
 
 class ColdLookup(Protocol):
-    def lookup(self, h: bytes, parent: bytes, token_ids: tuple[int, ...]) -> bool: ...
+    def match(self, hashes: list[bytes], parent: bytes, token_bytes: bytes) -> list[tuple[bytes, bytes, tuple]]:
+        """(hash, parent, tokens) of the leading blocks of a chain that the tier holds (the chain's names
+        from the one after parent on, and their token ids end to end as int32 bytes)."""
 
 
 class BlockManager:
@@ -71,42 +87,58 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- admission -------------------------------------------------------------------------
-    def _match(self, seq: Sequence) -> list[int]:
-        """Cached blocks that cover a prefix of seq; at least one token is always left to compute."""
+    def match(self, seq: Sequence) -> list[int]:
+        """Cached blocks that cover a prefix of seq; at least one token is always left to compute.
+        Bulk, in C loops: the names looked up all at once, the hits' tokens compared end to end."""
         if not self.prefix_caching:
             return []
-        bs, hits, ids, n = self.block_size, [], seq.token_ids, (len(seq) - 1) // self.block_size
-        for i, h in enumerate(self.chain(seq, n)[:n]):
-            block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(ids[i * bs:(i + 1) * bs]):
-                break
-            hits.append(block_id)
+        bs, n = self.block_size, (len(seq) - 1) // self.block_size
+        hits = list(map(self.cached.get, self.chain(seq, n)[:n]))
+        hits.append(None)
+        del hits[hits.index(None):]
+        blocks = self.blocks
+        tokens = itertools.chain.from_iterable(map(attrgetter("token_ids"), map(blocks.__getitem__, hits)))
+        if hits and list(tokens) != seq.token_ids[:len(hits) * bs]:  # a name on other tokens: up to there
+            ids = seq.token_ids
+            del hits[next(i for i, b in enumerate(hits) if blocks[b].token_ids != tuple(ids[i * bs:(i + 1) * bs])):]
         return hits
 
     def chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The names of seq's full blocks, at least its first num_blocks (maybe more), each hashed once in
-        the sequence's life: a long prompt is matched at every admission try, then named as computed."""
+        the sequence's life: a long prompt is matched at every admission try, then named as computed.
+        The bytes hashed are taken from one int32 copy of the tokens (the prompt's is made when it is
+        checked), not one copy per block."""
         hashes, bs = seq.block_hashes, self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if i else self.root, seq.token_ids[i * bs:(i + 1) * bs]))
+        start = len(hashes)
+        if start >= num_blocks:
+            return hashes
+        data = token_bytes(seq, start * bs, num_blocks * bs)
+        h, step, blank = hashes[-1] if start else self.root, 4 * bs, _BLANK.copy
+        for off in range(0, len(data), step):  # chain_hash, inlined (a copied blank hasher: 20% faster)
+            hasher = blank()
+            hasher.update(h)
+            hasher.update(data[off:off + step])
+            h = hasher.digest()
+            hashes.append(h)
         return hashes
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._match(seq)
+    def can_allocate(self, seq: Sequence, hits: list[int] | None = None) -> bool:
+        """Whether seq's blocks fit; hits: match(seq), if the caller has it."""
+        hits = self.match(seq) if hits is None else hits
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.blocks_for(len(seq)) - len(hits) + revived <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, reuse: bool = True) -> None:
-        """Give seq a block table for all its tokens, reusing cached prefix blocks if reuse."""
+    def allocate(self, seq: Sequence, reuse: bool = True, hits: list[int] | None = None) -> None:
+        """Give seq a block table for all its tokens, reusing cached prefix blocks if reuse (hits: match(seq),
+        if the caller has it)."""
         assert not seq.block_table
-        hits = self._match(seq) if reuse else []
+        hits = (self.match(seq) if hits is None else hits) if reuse else []
         for block_id in hits:
             self._take(block_id)
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
         self.num_named[seq.seq_id] = len(hits)
         cold = self._match_cold(seq, seq.block_hashes[len(hits) - 1] if hits else self.root, len(hits)) if reuse else []
-        seq.cold_pending = [(seq.block_table[len(hits) + i], *c) for i, c in enumerate(cold)]
+        seq.cold_pending = [(b, *c) for b, c in zip(seq.block_table[len(hits):], cold)]
         seq.num_cold_tokens = len(cold) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens = (len(hits) + len(cold)) * self.block_size
         self.num_queried_tokens += len(seq)
@@ -116,16 +148,9 @@ class BlockManager:
         """(hash, parent, tokens) of the blocks after the hot hits that the cold tier holds."""
         if self.cold is None or not self.prefix_caching:
             return []
-        bs, found = self.block_size, []
+        bs = self.block_size
         n = (len(seq) - 1) // bs
-        hashes = self.chain(seq, n)
-        for i in range(start, n):
-            tokens, h = tuple(seq.token_ids[i * bs:(i + 1) * bs]), hashes[i]
-            if not self.cold.lookup(h, parent, tokens):
-                break
-            found.append((h, parent, tokens))
-            parent = h
-        return found
+        return self.cold.match(self.chain(seq, n)[start:n], parent, token_bytes(seq, start * bs, n * bs))
 
     def restored(self, seq: Sequence, num_blocks: int) -> None:
         """The first num_blocks of seq.cold_pending arrived; the rest are recomputed."""

@@ -35,13 +35,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import itertools
 import logging
 import mmap
+import operator
 import os
 import re
 import struct
 import threading
 import zlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -62,6 +65,10 @@ SLOT_MAGIC = b"O3KVSLOT"
 EMPTY, WRITING, VALID = 0, 1, 2
 _STATE_AT, _STAMP_AT, _CRC_AT = 10, 16, 12
 _SEGMENT = re.compile(PREFIX + r"[0-9a-f]{32}-[0-9]+")
+_TOKEN_BYTES = operator.attrgetter("token_bytes")
+_PARENT = operator.attrgetter("parent")
+_KEY = operator.attrgetter("hash", "parent", "token_ids")
+_FIRST = operator.itemgetter(0)
 
 
 @dataclass
@@ -71,6 +78,11 @@ class Entry:
     hash: bytes
     parent: bytes
     token_ids: tuple[int, ...]
+    token_bytes: bytes = b""  # the token ids as int32, as the chain hash took them: `match` compares these
+
+    def __post_init__(self):
+        if not self.token_bytes:
+            self.token_bytes = array("i", self.token_ids).tobytes()
 
 
 class ColdTierUnavailable(OSError):
@@ -246,6 +258,22 @@ class ColdTier:
             self.lru.move_to_end(slot)
             return True
 
+    def match(self, hashes: list[bytes], parent: bytes, token_bytes: bytes) -> list[tuple[bytes, bytes, tuple]]:
+        """(hash, parent, tokens) of the leading blocks of a chain that the arena holds: `hashes` names the
+        chain's blocks from the one after `parent` on, `token_bytes` are their token ids end to end, as int32
+        (as the chain hash takes them). The hits become most recent. One lock for the chain, and C loops:
+        names, parents and tokens are each compared in one go (a 16K-token prefix is hundreds of blocks;
+        its tokens, compared as bytes, are one memcmp rather than 16K int objects all over the heap)."""
+        step = 4 * self.block_size
+        with self.lock:
+            entries = _leading(self.index, self.entries, hashes)
+            n = _agree(list(map(_PARENT, entries)), [parent, *hashes[:len(entries) - 1]])
+            if b"".join(map(_TOKEN_BYTES, entries[:n])) != token_bytes[:n * step]:
+                n = next(i for i, e in enumerate(entries) if e.token_bytes != token_bytes[i * step:(i + 1) * step])
+            for e in entries[:n]:
+                self.lru.move_to_end(self.index[e.hash])
+        return list(map(_KEY, entries[:n]))
+
     def __contains__(self, h: bytes) -> bool:
         return h in self.index
 
@@ -293,17 +321,17 @@ class ColdTier:
         Returns (slots, how many of them this process has not checksummed yet: those must pass
         `check` before they are read). One lock for the whole run; no slab is read here.
         """
-        slots, unchecked = [], 0
+        keys = list(keys)
         with self.lock:
-            for h, parent, tokens in keys:
-                slot = self.index.get(h)
-                entry = self.entries[slot] if slot is not None else None
-                if entry is None or entry.parent != parent or entry.token_ids != tokens:
-                    break
-                self.pinned[slot] = self.pinned.get(slot, 0) + 1
-                self._touch(slot)
-                slots.append(slot)
-                unchecked += slot not in self.checked
+            index, pinned, mm = self.index, self.pinned, self.mm
+            entries = _leading(index, self.entries, map(_FIRST, keys))
+            slots = [index[e.hash] for e in entries[:_agree(list(map(_KEY, entries)), keys)]]
+            for slot in slots:  # pinned, and touched (_touch, inlined: a long prefix has hundreds)
+                pinned[slot] = pinned.get(slot, 0) + 1
+                self.stamp += 1
+                off = PAGE + slot * self.header_bytes + _STAMP_AT
+                mm[off:off + 8] = self.stamp.to_bytes(8, "little")
+            unchecked = len(slots) - len(self.checked.intersection(slots))
         return slots, unchecked
 
     def check(self, slot: int, h: bytes, parent: bytes, token_ids: tuple[int, ...]) -> bool:
@@ -374,6 +402,21 @@ class ColdTier:
             return {"cold_blocks": len(self.index), "cold_blocks_total": self.num_slots,
                     "cold_bytes": len(self.index) * self.payload_bytes, "cold_capacity_bytes": self.size,
                     **self.counts}
+
+
+def _leading(index: dict, entries: list, hashes) -> list[Entry]:
+    """The entries of the leading names of `hashes` that the index holds (lock held)."""
+    slots = list(map(index.get, hashes))
+    slots.append(None)
+    del slots[slots.index(None):]
+    return list(map(entries.__getitem__, slots))  # an indexed slot always has its entry
+
+
+def _agree(found: list, wanted: list) -> int:
+    """How many leading items of found equal wanted's (one C loop when all do)."""
+    if found == wanted[:len(found)]:
+        return len(found)
+    return next(i for i, (a, b) in enumerate(zip(found, wanted)) if a != b)
 
 
 def slab_checksum(buf) -> int:

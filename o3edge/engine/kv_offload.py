@@ -349,6 +349,12 @@ class KVOffloader:
             self.pending[block_id] = job
             self.hashes.add(h)
 
+    def offer_block(self, block) -> None:
+        """The block manager's on_cached_free: offer(block) unless the tier has it or it is on its way (checked
+        here first: a long prefix freed again after a hit is hundreds of blocks the tier holds)."""
+        if block.hash not in self.tier.index and block.hash not in self.hashes:
+            self.offer(block.block_id, block.hash, block.parent, block.token_ids)
+
     def flush(self) -> None:
         """Give the offers so far their slots and hand them to the worker as one batch (engine thread)."""
         self.copier.reap()

@@ -126,8 +126,8 @@ class RouterBlocks(BlockManager):
         self.num_reclaimable -= 1
         self.free[host] = None
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._match(seq)
+    def can_allocate(self, seq: Sequence, hits: list[int] | None = None) -> bool:
+        hits = self.match(seq) if hits is None else hits
         revived = sum(1 for b in hits if not self.is_compressed(b) and self.blocks[b].ref_count == 0)
         # a compressed hit taken off the free list keeps its host from being reclaimed
         hosts = {self._host(b) for b in hits if self.is_compressed(b) and self.blocks[b].ref_count == 0}

@@ -163,13 +163,18 @@ class Scheduler:
                 return
             if self._class_running(seq.priority) >= self.policy[seq.priority].max_concurrent:
                 continue
-            while len(self.running) >= self.max_num_seqs or not self.blocks.can_allocate(seq):
+            hits = None  # seq's cached prefix, looked up once: preempting frees blocks but unnames none
+            while True:
+                if len(self.running) < self.max_num_seqs:
+                    hits = self.blocks.match(seq) if hits is None else hits
+                    if self.blocks.can_allocate(seq, hits):
+                        break
                 victim = self._victim()
                 if victim is None or victim.priority <= seq.priority:
                     return  # nothing less important to make room with: keep the order
                 self.preempt(victim, batch)
             self.waiting.remove(seq)
-            self.blocks.allocate(seq)
+            self.blocks.allocate(seq, hits=hits)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if not seq.was_admitted:

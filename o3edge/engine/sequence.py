@@ -6,6 +6,7 @@ import enum
 import itertools
 import math
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from o3edge.errors import InvalidRequest
@@ -82,6 +83,7 @@ class Sequence:
     num_cold_tokens: int = 0  # of those, copied in from the cold tier
     cold_pending: list = field(default_factory=list)  # (block id, hash, parent, tokens) to copy in
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its first full blocks, once
+    prompt_array: array | None = None  # the prompt's ids as int32, made when it was checked: hashed from here
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

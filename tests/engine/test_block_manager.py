@@ -1,5 +1,7 @@
 """The block manager alone: plain Python, no tensors, deterministic."""
 
+from array import array
+
 from o3edge.engine.block_manager import BlockManager
 from o3edge.engine.sequence import SamplingParams, Sequence
 
@@ -104,6 +106,18 @@ class FakeCold:
     def lookup(self, h, parent, tokens):
         return self.held.get(h) == (parent, tuple(tokens))
 
+    def match(self, hashes, parent, token_bytes):
+        """ColdTier.match, one block at a time."""
+        tokens = array("i", token_bytes)
+        found, bs = [], len(tokens) // max(1, len(hashes))
+        for i, h in enumerate(hashes):
+            block = tuple(tokens[i * bs:(i + 1) * bs])
+            if not self.lookup(h, parent, block):
+                break
+            found.append((h, parent, block))
+            parent = h
+        return found
+
 
 def with_cold(bm):
     cold = FakeCold()
@@ -149,3 +163,19 @@ def test_cold_tier_match_checks_parent_and_tokens_and_stops_at_the_first_miss():
     s = seq(range(14))
     bm.allocate(s)
     assert s.num_cold_tokens == 0 and s.cold_pending == []
+
+
+def test_chain_names_are_chain_hash_whether_from_the_checked_prompt_or_the_token_list():
+    from o3edge.engine.block_manager import chain_hash
+
+    for bs in (8, 16):
+        bm = BlockManager(4, bs, "model-a")
+        ids = list(range(1000, 1000 + 5 * bs + 3))
+        plain = seq(ids)
+        checked = Sequence("r", list(ids), SamplingParams(), prompt_array=array("i", ids[:3 * bs]))  # shorter
+        want, parent = [], bm.root
+        for i in range(5):
+            parent = chain_hash(parent, ids[i * bs:(i + 1) * bs])
+            want.append(parent)
+        assert bm.chain(plain, 2) == want[:2] and bm.chain(plain, 5) == want
+        assert bm.chain(checked, 3) == want[:3] and bm.chain(checked, 5) == want

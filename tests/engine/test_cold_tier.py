@@ -2,6 +2,7 @@
 
 import fcntl
 import logging
+from array import array
 import os
 import subprocess
 import sys
@@ -48,6 +49,29 @@ def test_round_trip_and_lookup_checks_parent_and_tokens(shm):
     assert t.num_slots == 4 and t.payload_offset(0) % ct.PAGE == 0
     assert t.payload_offset(3) - t.payload_offset(0) == 3 * PAYLOAD  # slabs back to back: one copy for a run
     assert os.path.basename(t.path) == f"o3edge-{ident().hex()}-0"
+    t.close()
+
+
+def test_match_takes_a_chain_in_one_go_and_stops_at_the_first_wrong_parent_or_token(shm):
+    t = tier(shm, slots=6)
+    chain, parent = [], ROOT
+    for i in range(4):
+        chain.append(block(i, parent))
+        parent = chain[-1].hash
+        store(t, chain[-1], i)
+    names = [e.hash for e in chain]
+    tokens = array("i", [tok for e in chain for tok in e.token_ids]).tobytes()
+    assert t.match(names, ROOT, tokens) == [(e.hash, e.parent, e.token_ids) for e in chain]
+    assert t.match(names[1:], names[0], tokens[4 * BS:]) == [(e.hash, e.parent, e.token_ids) for e in chain[1:]]
+    assert t.match(names, b"\x02" * 16, tokens) == []  # another parent: not this chain
+    wrong = bytearray(tokens)
+    wrong[2 * 4 * BS + 5] ^= 1  # a token of the third block differs (as a hash collision would have it)
+    assert [h for h, _, _ in t.match(names, ROOT, bytes(wrong))] == names[:2]
+    assert [h for h, _, _ in t.match(names[:2] + [b"\x03" * 16] + names[3:], ROOT, tokens)] == names[:2]
+    slots, unchecked = t.acquire(t.match(names, ROOT, tokens))
+    assert len(slots) == 4 and unchecked == 0 and all(t.pinned[s] == 1 for s in slots)
+    t.unpin_all(slots)
+    assert not t.pinned
     t.close()
 
 
