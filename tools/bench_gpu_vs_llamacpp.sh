@@ -7,7 +7,8 @@
 #   bash ../shared/peers/gpu/prepare.sh && bash ../shared/device/fetch-wheels.sh   # here, once
 #   device run (carry .peer and .whl): bash tools/bench_gpu_vs_llamacpp.sh   (GEMV=0: without bench_gemv)
 # DURING_BUILD="commands" runs more GPU-only measurements while llama.cpp builds (about 4.5 minutes);
-# AFTER="commands" runs at the end (e.g. GPU tests with what is left of the call).
+# AFTER="commands" runs at the end (e.g. GPU tests with what is left of the call). More than 8 files in
+# $OUT at the end are bundled into $OUT/results.tar.gz (the device brings back at most 8 files a call).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -35,3 +36,7 @@ python3 tools/bench_gpu.py --model /tmp/lcw/ckpt --shape tinyllama-1.1b --dtype 
   --reuse "$OUT/o3edge-only.json" --llamacpp "$OUT/llamacpp-bench.log" --json "$OUT/tinyllama-fp16.json"
 echo "elapsed $(( $(date +%s) - t0 )) s"
 [ -n "${AFTER:-}" ] && bash -c "$AFTER"
+# the device brings back at most 8 files a call: more than that are bundled (tar xzf results.tar.gz)
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
+  tar czf /tmp/o3bench-results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/o3bench-results.tar.gz "$OUT/results.tar.gz"
+fi
