@@ -33,6 +33,15 @@ def chain_hash(parent: bytes, token_ids) -> bytes:
     return hashlib.blake2b(parent + array("i", token_ids).tobytes(), digest_size=16).digest()
 
 
+def leading(mapping: dict, keys) -> list:
+    """mapping's values for the leading keys it holds, up to the first it lacks (C loops: a long prefix is
+    hundreds of names)."""
+    values = list(map(mapping.get, keys))
+    values.append(None)
+    del values[values.index(None):]
+    return values
+
+
 def token_bytes(seq: Sequence, lo: int, hi: int) -> bytes:
     """seq.token_ids[lo:hi] as int32 bytes (what chain_hash hashes), from the checked prompt's copy when it
     has them."""
@@ -93,9 +102,7 @@ class BlockManager:
         if not self.prefix_caching:
             return []
         bs, n = self.block_size, (len(seq) - 1) // self.block_size
-        hits = list(map(self.cached.get, self.chain(seq, n)[:n]))
-        hits.append(None)
-        del hits[hits.index(None):]
+        hits = leading(self.cached, self.chain(seq, n)[:n])
         blocks = self.blocks
         tokens = itertools.chain.from_iterable(map(attrgetter("token_ids"), map(blocks.__getitem__, hits)))
         if hits and list(tokens) != seq.token_ids[:len(hits) * bs]:  # a name on other tokens: up to there

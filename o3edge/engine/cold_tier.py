@@ -35,7 +35,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-import itertools
 import logging
 import mmap
 import operator
@@ -50,7 +49,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from o3edge.engine.block_manager import chain_hash
+from o3edge.engine.block_manager import chain_hash, leading
 
 log = logging.getLogger(__name__)
 
@@ -241,23 +240,16 @@ class ColdTier:
         crc = _header_crc(self.mm[off:off + SLOT.size + 4 * n])
         self.mm[off + _CRC_AT:off + _CRC_AT + 4] = crc.to_bytes(4, "little")
 
-    def _touch(self, slot: int) -> None:
-        """Make slot the most recent in the stamps a restart rebuilds the LRU order from (lock held)."""
-        self.stamp += 1
-        off = self._offset(slot) + _STAMP_AT
-        self.mm[off:off + 8] = self.stamp.to_bytes(8, "little")
+    def _touch(self, slots: list[int]) -> None:
+        """Make slots the most recent, in order, in the stamps a restart rebuilds the LRU order from (lock
+        held). One call for a whole chain: a long prefix has hundreds."""
+        mm, at = self.mm, self._offset(0) + _STAMP_AT
+        for slot in slots:
+            self.stamp += 1
+            off = at + slot * self.header_bytes
+            mm[off:off + 8] = self.stamp.to_bytes(8, "little")
 
-    # ---- the index (engine thread: lookup, reserve, acquire; copier thread: commit) ------------
-    def lookup(self, h: bytes, parent: bytes, token_ids: tuple[int, ...]) -> bool:
-        """Whether the arena has this block (same parent, same tokens); a hit becomes most recent."""
-        with self.lock:
-            slot = self.index.get(h)
-            entry = self.entries[slot] if slot is not None else None
-            if entry is None or entry.parent != parent or entry.token_ids != tuple(token_ids):
-                return False
-            self.lru.move_to_end(slot)
-            return True
-
+    # ---- the index (engine thread: match, reserve, acquire; copier thread: commit) -------------
     def match(self, hashes: list[bytes], parent: bytes, token_bytes: bytes) -> list[tuple[bytes, bytes, tuple]]:
         """(hash, parent, tokens) of the leading blocks of a chain that the arena holds: `hashes` names the
         chain's blocks from the one after `parent` on, `token_bytes` are their token ids end to end, as int32
@@ -323,14 +315,12 @@ class ColdTier:
         """
         keys = list(keys)
         with self.lock:
-            index, pinned, mm = self.index, self.pinned, self.mm
+            index, pinned = self.index, self.pinned
             entries = _leading(index, self.entries, map(_FIRST, keys))
             slots = [index[e.hash] for e in entries[:_agree(list(map(_KEY, entries)), keys)]]
-            for slot in slots:  # pinned, and touched (_touch, inlined: a long prefix has hundreds)
+            for slot in slots:
                 pinned[slot] = pinned.get(slot, 0) + 1
-                self.stamp += 1
-                off = PAGE + slot * self.header_bytes + _STAMP_AT
-                mm[off:off + 8] = self.stamp.to_bytes(8, "little")
+            self._touch(slots)
             unchecked = len(slots) - len(self.checked.intersection(slots))
         return slots, unchecked
 
@@ -406,10 +396,7 @@ class ColdTier:
 
 def _leading(index: dict, entries: list, hashes) -> list[Entry]:
     """The entries of the leading names of `hashes` that the index holds (lock held)."""
-    slots = list(map(index.get, hashes))
-    slots.append(None)
-    del slots[slots.index(None):]
-    return list(map(entries.__getitem__, slots))  # an indexed slot always has its entry
+    return list(map(entries.__getitem__, leading(index, hashes)))  # an indexed slot always has its entry
 
 
 def _agree(found: list, wanted: list) -> int:

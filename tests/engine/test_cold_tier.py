@@ -25,6 +25,11 @@ def tier(shm, slots=4, identity=None) -> ColdTier:
     return ColdTier(shm, identity or ident(), ColdTier.size_for(slots, BS, PAYLOAD), BS, PAYLOAD)
 
 
+def holds(t: ColdTier, h: bytes, parent: bytes, token_ids) -> bool:
+    """Whether the tier has this block (same parent, same tokens): a one-block match (a hit becomes most recent)."""
+    return bool(t.match([h], parent, array("i", token_ids).tobytes()))
+
+
 def block(i: int, parent: bytes = ROOT) -> Entry:
     tokens = tuple(range(i * BS, (i + 1) * BS))
     return Entry(chain_hash(parent, tokens), parent, tokens)
@@ -41,9 +46,9 @@ def test_round_trip_and_lookup_checks_parent_and_tokens(shm):
     t = tier(shm)
     e = block(0)
     slot = store(t, e, 7)
-    assert t.lookup(e.hash, e.parent, e.token_ids)
-    assert not t.lookup(e.hash, b"\x02" * 16, e.token_ids)  # same name, other parent: not this block
-    assert not t.lookup(e.hash, e.parent, (0,) * BS)
+    assert holds(t, e.hash, e.parent, e.token_ids)
+    assert not holds(t, e.hash, b"\x02" * 16, e.token_ids)  # same name, other parent: not this block
+    assert not holds(t, e.hash, e.parent, (0,) * BS)
     assert t.verify(e.hash, e.parent, e.token_ids) == slot
     assert bytes(t.payload(slot)) == bytes([7]) * PAYLOAD
     assert t.num_slots == 4 and t.payload_offset(0) % ct.PAGE == 0
@@ -96,7 +101,7 @@ def test_full_arena_evicts_lru_and_skips_pinned_slots(shm):
     a, b, c = block(0), block(1), block(2)
     sa = store(t, a, 1)
     store(t, b, 2)
-    assert t.lookup(a.hash, a.parent, a.token_ids)  # a is used again: b is now the oldest
+    assert holds(t, a.hash, a.parent, a.token_ids)  # a is used again: b is now the oldest
     store(t, c, 3)
     assert a.hash in t and b.hash not in t and c.hash in t
     assert t.stats()["cold_evicted"] == 1
@@ -176,7 +181,7 @@ def test_header_tampering_and_other_layouts_are_refused(shm):
     again.mm[8] = ct.LAYOUT_VERSION + 1  # the superblock: a segment of another layout version
     again.close()
     fresh = tier(shm)
-    assert fresh.num_blocks == 0 and not fresh.lookup(entries[0].hash, entries[0].parent, entries[0].token_ids)
+    assert fresh.num_blocks == 0 and not holds(fresh, entries[0].hash, entries[0].parent, entries[0].token_ids)
     fresh.close()
 
 
