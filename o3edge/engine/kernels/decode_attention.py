@@ -209,15 +209,20 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_out, H: tl.co
                          PDL: tl.constexpr):
     pdl.launch_next(PDL)
     pdl.wait_for_previous(PDL)
+    """One (row, head): the splits' partial outputs weighted by their share of the softmax mass. A split
+    without keys has lse -inf (weight 0, its partial output not read: prefill leaves a padding row's
+    unwritten); a row whose splits all have none (prefill's padding) gets 0."""
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HD_PAD)
-    base = (b * H + h) * NUM_SPLITS
+    base = (b.to(tl.int64) * H + h) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [S]
-    o = tl.load(part_o_ptr + (base + s)[:, None] * HD + d[None, :],
-                mask=(s < NUM_SPLITS)[:, None] & (d < HD)[None, :], other=0.0)  # [S, HD_PAD]
-    w = tl.exp(lse - tl.max(lse, axis=0))  # empty splits have lse -inf: weight 0
-    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    top = tl.max(lse, axis=0)
+    w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for -inf
+    o = tl.load(part_o_ptr + (base + s)[:, None] * HD + d[None, :], mask=(w > 0)[:, None] & (d < HD)[None, :],
+                other=0.0)  # [S, HD_PAD]
+    den = tl.sum(w, axis=0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + b * stride_out + h * HD + d, out.to(out_ptr.dtype.element_ty), mask=d < HD)
 
 
@@ -258,8 +263,8 @@ def split_outputs(qkv: torch.Tensor, num_heads: int, head_dim: int, num_splits: 
 
 def merge_splits(out: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, num_splits: int,
                  pdl_on: bool) -> torch.Tensor:
-    """out, with the key splits' partial results merged into it (a second small kernel) when there are
-    several."""
+    """out [rows, H * HD], with the key splits' partial results [rows, H, splits, HD] and log-sum-exps
+    merged into it (a second small kernel) when there are several. Decode and prefill attention both."""
     if num_splits > 1:
         B, H, _, HD = part_o.shape
         _merge_splits_kernel[(B, H)](part_o, part_lse, out, out.stride(0), H=H, HD=HD,

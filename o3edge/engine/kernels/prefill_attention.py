@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from o3edge.engine.kernels import INTERPRET, num_sms
-from o3edge.engine.kernels.decode_attention import paged_scores, softmax_step, split_range
+from o3edge.engine.kernels.decode_attention import merge_splits, paged_scores, softmax_step, split_range
 
 MAX_SPLITS = 16  # key splits of one tile at most (the merge reads them all: keep it small)
 
@@ -93,24 +93,6 @@ def _prefill_attention_kernel(q_ptr, stride_qt, stride_qh, seqs_ptr, tables_ptr,
             tl.store(part_lse_ptr + part, lse, mask=row_mask)
 
 
-@triton.jit
-def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, H: tl.constexpr, HD: tl.constexpr,
-                  HD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """One (row, head): the splits' partial outputs weighted by their share of the softmax mass."""
-    t, h = tl.program_id(0), tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, HD_PAD)
-    base = (t.to(tl.int64) * H + h) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + s)  # [S]; -inf: no key in that split (or a padding row)
-    top = tl.max(lse, axis=0)
-    w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for -inf
-    o = tl.load(part_o_ptr + (base + s)[:, None] * HD + d[None, :], mask=(w > 0)[:, None] & (d < HD)[None, :],
-                other=0.0)  # [S, HD_PAD]
-    den = tl.sum(w, axis=0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HD)
-
-
 def num_key_splits(num_programs: int, device) -> int:
     """Key splits that bring a launch of num_programs tiles up to about twice the SMs (1 when it fills them)."""
     sms = num_sms(str(device))
@@ -140,9 +122,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out, out.stride(0), out.stride(1), part_o, part_lse, HD ** -0.5, H=H, G=H // KVH, HD=HD, HD_PAD=hd_pad,
         KV_BLOCK=block_size, BLOCK_M=block_m, BLOCK_N=64 if HD <= 64 else 32, NUM_SPLITS=splits,
         IEEE=q.dtype == torch.float32, INTERPRET=INTERPRET, num_warps=4, num_stages=2)
-    if splits > 1:
-        _merge_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H=H, HD=HD, HD_PAD=hd_pad,
-                              NUM_SPLITS=splits, num_warps=1)
+    merge_splits(out.view(T, H * HD), part_o, part_lse, splits, pdl_on=False)  # out: contiguous, fresh
     return out
 
 
