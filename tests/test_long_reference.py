@@ -141,6 +141,7 @@ def test_tiny_long_run_writes_a_checkpoint_o3edge_loads_and_chats_with(tmp_path,
                                        "--passkey-per-cell", "1", "--chat-pairs", "2", "--ppl-tokens", "600",
                                        "--ppl-window", "128", "--threads", "1", "--write", str(table)])
     assert row["window"] == 256 and row["ppl"] > 1 and row["chat"]["n"] == 2
+    assert row["load_s"] > 0 and row["first_ttft_ms"] > 0  # how fast it starts, beside the old default
     assert row["passkey"]["by_length"][512] is None and row["passkey"]["tried"] == 2 * len(row["passkey"]["by_depth"])
     assert re.search(r"\| 256 \| .* \| n/a \| \d+% of 2 \|", table.read_text())  # 512 past its window
 

@@ -65,6 +65,9 @@ def evaluate(model_dir: str, a, docs: dict[str, str], held_pairs: list) -> dict:
     t0 = time.time()
     model = model_for(model_dir, a.device, a.dtype)
     eng, window = model.engine, model.engine.info.max_model_len
+    # how fast it starts: the engine's load, and the first request's first token (nothing warmed before it)
+    first = model.generate("The json module", max_new_tokens=8)
+    start = {"load_s": eng.info.load_seconds, "first_ttft_ms": first.ttft_s * 1e3}
     tok = eng.tokenizer
     wins = eval_reference.held_out_windows(tok, a.data, a.ppl_tokens, min(a.ppl_window, window - 1))
     nll = count = 0
@@ -80,7 +83,7 @@ def evaluate(model_dir: str, a, docs: dict[str, str], held_pairs: list) -> dict:
                                       per_cell=a.passkey_per_cell)
     chat = skills_eval.chat_accuracy(gen, enc, dec, held_pairs[:a.chat_pairs])
     row = {"model": model_dir, "window": window, "ppl": math.exp(nll / count), "ppl_tokens": count,
-           "ppl_window": len(wins[0]), "passkey": pk, "chat": chat, "seconds": time.time() - t0}
+           "ppl_window": len(wins[0]), "passkey": pk, "chat": chat, **start, "seconds": time.time() - t0}
     log.info("%s: ppl %.3f, pass key %s, chat exact %.1f%% F1 %.3f", model_dir, row["ppl"], pk["by_length"],
              100 * chat["exact"], chat["f1"])
     return row
@@ -98,13 +101,14 @@ def table(rows: list[dict], meta: dict) -> str:
              f"held-out names (their Q/A pairs never trained on), exact = the documented first sentence word "
              "for word.", "",
              "| model | window | held-out ppl | " + " | ".join(f"pass key {L}" for L in lengths)
-             + " | chat exact | chat word F1 |",
-             "|---|---:|---:|" + "---:|" * len(lengths) + "---:|---:|"]
+             + " | chat exact | chat word F1 | load, first token |",
+             "|---|---:|---:|" + "---:|" * len(lengths) + "---:|---:|---:|"]
     for r in rows:
         pk = r["passkey"]["by_length"]
         lines.append(f"| `{r['model']}` | {r['window']} | {r['ppl']:.2f} ({r['ppl_window']}-token windows) | "
                      + " | ".join(_pct(pk.get(L)) for L in lengths)
-                     + f" | {_pct(r['chat']['exact'])} of {r['chat']['n']} | {r['chat']['f1']:.3f} |")
+                     + f" | {_pct(r['chat']['exact'])} of {r['chat']['n']} | {r['chat']['f1']:.3f} | "
+                     f"{r['load_s']:.2f} s, {r['first_ttft_ms']:.1f} ms |")
     return "\n".join(lines) + "\n"
 
 
