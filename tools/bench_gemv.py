@@ -55,7 +55,12 @@ def grid(M: int, int4: bool) -> list[tuple[int, ...]]:
         if int4:
             return list(itertools.product((4, 8, 16), (512, 1024), (1, 2), (4, 8)))
         return list(itertools.product((4, 8, 16), (1024, 2048), (1,), (4, 8), (4, 6, 8)))
-    return list(itertools.product((16, 32, 64), (128, 256, 512), (1, 2), (4,))) if M <= MAX_ROWS else []
+    if M > MAX_ROWS:
+        return []
+    if int4 and os.environ.get("O3EDGE_INT4_SWAP") == "1":  # weight rows as the dot's rows: wgmma wants 64 of them a warp group
+        return (list(itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4), (4,)))
+                + list(itertools.product((128,), (64, 128, 256), (1, 2, 4), (8,))))
+    return list(itertools.product((16, 32, 64), (128, 256, 512), (1, 2), (4,)))
 
 
 class Case:

@@ -79,7 +79,9 @@ def test_silu_prologue_matches_silu_mul_then_linear(dtype, M, config):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16])
 @pytest.mark.parametrize("M", [1, 8, 33])
 @pytest.mark.parametrize("K,group", [(256, 64), (320, 64), (512, 128)])
-def test_int4_weights_match_the_dequantized_linear(dtype, M, K, group):
+@pytest.mark.parametrize("swap", ["0", "1"])  # tiles of several rows as x @ W.T, or W @ x.T
+def test_int4_weights_match_the_dequantized_linear(dtype, M, K, group, swap, monkeypatch):
+    monkeypatch.setenv("O3EDGE_INT4_SWAP", swap)
     N = 48
     g, x, w = _data(M, N, K, dtype, K + group)
     qw, sz = quantize_int4(w.float().cpu(), group)
@@ -99,7 +101,8 @@ def test_more_rows_than_a_decode_batch_are_refused():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
     """tinyllama's one-row projections as the decode step runs them (streamed dense, INT4 with the packed
-    dot and without) against prologue-then-linear in float32."""
+    dot and without), and its INT4 projections at 8 and 32 rows (planned tiles, then never swapped),
+    against prologue-then-linear in float32."""
     monkeypatch.setenv("O3EDGE_INT4_PACKED", "1")
     g, x, w = _data(1, 2560, 2048, dtype, 7)
     res = torch.randn(1, 2048, generator=g).to(DEV, dtype)
@@ -117,3 +120,12 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
             monkeypatch.setenv("O3EDGE_INT4_PACKED", packed)
             out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
             _close(out, ref, dtype)
+        for M in (8, 32):  # decode batches: planned tiles (W @ x.T where it pays), then never swapped
+            g, x, _ = _data(M, N, K, dtype, N + M)
+            ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
+            for swap in (None, "0"):
+                if swap is not None:
+                    monkeypatch.setenv("O3EDGE_INT4_SWAP", swap)
+                out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
+                _close(out, ref, dtype)
+            monkeypatch.delenv("O3EDGE_INT4_SWAP")

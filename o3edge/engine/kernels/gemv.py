@@ -209,6 +209,14 @@ def _dot(x, w, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _dot_t(w, x, acc_t, IEEE: tl.constexpr):
+    """acc_t + w @ x.T on the tensor cores: the transposed product, weight rows as the dot's rows."""
+    if IEEE:
+        return tl.dot(w, tl.trans(x), acc_t, input_precision="ieee")
+    return tl.dot(w, tl.trans(x), acc_t)
+
+
+@triton.jit
 def weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_K: tl.constexpr, dtype: tl.constexpr):
     """Weight rows rn, columns k0 .. k0+BLOCK_K, as [BLOCK_N, BLOCK_K] in the model dtype."""
@@ -229,7 +237,8 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
                    M, N, K: tl.constexpr, stride_x, stride_w, stride_out, stride_split, eps, K_PER_SPLIT,
                    PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr,
-                   SPLITS: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr = False):
+                   SPLITS: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr = False,
+                   SWAP: tl.constexpr = False):
     pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -243,6 +252,8 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
                          (pid_n == 0) & (pid_k == 0), BLOCK_M, BLOCK_K, dtype)
     if BLOCK_M == 1:
         acc1 = tl.zeros([BLOCK_N], tl.float32)
+    elif SWAP:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for i in range(ITERS):  # a constant: the interpreter takes no tensor as a bound
@@ -255,10 +266,14 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
             w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype)
             if BLOCK_M == 1:
                 acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
+            elif SWAP:  # the weight tile is the dot's first operand (on Hopper it may stay in registers)
+                acc_t = _dot_t(w, x, acc_t, IEEE)
             else:
                 acc = _dot(x, w, acc, IEEE)
     if BLOCK_M == 1:
         acc = acc1[None, :]
+    elif SWAP:
+        acc = tl.trans(acc_t)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + rn, mask=n_mask & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
     tile = rm[:, None] * stride_out + rn[None, :]
@@ -333,6 +348,21 @@ def packed_int4(x: torch.Tensor) -> bool:
             and os.environ.get("O3EDGE_INT4_PACKED", "1") != "0")
 
 
+def swap_int4(M: int, N: int) -> bool:
+    """Whether INT4 tiles of M > 1 rows multiply as W @ x.T, the dequantized weight tile as the dot's first
+    operand (which Hopper's wgmma can read from registers), rather than x @ W.T: from 32 rows.
+
+    On the H200 (bench_gemv.py, docs/results/gpu-2026-12-01/swap/), tinyllama-1.1b: gate/up (N = 11,264)
+    26.3 -> 18.1 us at 8 rows and 20.6 -> 20.0 at 32; down (N = 2,048) 23.8 -> 20.9 at 32 rows but
+    18.8 -> 21.9 at 8. Whole generations in the same calls: INT4-FFN at batch 32 19,797 -> 20,601 tok/s,
+    but at batch 8 6,097 -> 5,943 (the 8-row kernel gain did not carry into the step), so only tiles
+    of 32 rows and more swap. O3EDGE_INT4_SWAP=0 / 1 turns it off / on for every M > 1 (to measure)."""
+    forced = os.environ.get("O3EDGE_INT4_SWAP")
+    if forced in ("0", "1"):
+        return M > 1 and forced == "1"
+    return M >= 32
+
+
 def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, ...]:
     """(BLOCK_N, BLOCK_K, splits, num_warps[, programs per SM]) for an M x K by K x N skinny matmul; a
     fifth entry streams one row of dense weights (_row_stream_kernel) on that many programs per SM
@@ -343,6 +373,11 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, ...]:
     (tools/bench_gemv.py --grid: docs/results/gpu-2026-11-30/gemv-grid*.json, then
     docs/results/gpu-2026-12-01/gemv-grid-stream*.json), as rules by shape. O3EDGE_GEMV_STREAM=0 turns
     streaming off (to measure against)."""
+    if M > 1 and int4 and swap_int4(M, N):  # weight rows are the dot's rows: 64-128 of them a program
+        wide = N >= 8192
+        if M >= 32:
+            return (64, 64, 4, 4) if wide else (64, 256, 4, 4)
+        return (128, 64, 4, 8) if wide else (64, 256, 4, 4)
     if M > 1 and int4:  # the down projection (few rows of output, long rows) splits K in two
         wide, long = N >= 8192, K >= 4096
         if M >= 32:
@@ -416,6 +451,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=on, PACKED=packed_int4(x) and int4 and M == 1, num_warps=warps,
+        PDL=on, PACKED=packed_int4(x) and int4 and M == 1, SWAP=int4 and swap_int4(M, N), num_warps=warps,
         **pdl.launch_options(on))
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
