@@ -27,9 +27,13 @@ LRU eviction does once the offload has finished.
 
 --decode-batch N adds the offload's cost to decoding: the step time of N sequences decoding, alone
 and with --offload-blocks blocks offered to the tier in the step (blocks of the pool's free list
-under fresh names, as if requests finished alongside), in alternating runs of 8 steps. A step is
-timed to its return (its tokens on the host), with no device-wide synchronize: that would also wait
-for the offload's side-stream copies, which the engine never waits for.
+under fresh names, as if requests finished alongside), in alternating runs of 9 steps, the first of
+each run untimed (after the drain that starts a run without offers it finds the device idle, which
+made that kind look faster). A step is timed to its return (its tokens on the host), with no
+device-wide synchronize: that would also wait for the offload's side-stream copies, which the engine
+never waits for. The pool holds 32 blocks a sequence, so the free list never runs short (with 12,
+it shrank until the blocks offered were the ones the next step took, and the step waited for their
+copies: the swap path, not the offload's cost).
 
 Prints a table and, with --json, writes every measurement with the machine it ran on.
 --plot PNG draws TTFT against prefix length, one panel per result file:
@@ -188,8 +192,9 @@ def decode_overhead(engine: LLMEngine, batch: int, offers: int, rng: random.Rand
     Each step is timed from engine.step() to its return, which is when its tokens are on the host;
     nothing else waits for the device (a device-wide synchronize would also wait for the offload's
     copies on their side stream, which the engine never does). The offers are made inside the timed
-    region, as a request ending in the step makes them; the blocks offered rotate through the back
-    half of the free list (not the blocks the step is about to take) under fresh names.
+    region, as a request ending in the step makes them; the blocks offered rotate through the most
+    recently freed quarter of the free list (where a finished request's blocks go; the allocator
+    takes from the other end) under fresh names.
     """
     params = SamplingParams(max_new_tokens=2 * steps + 16, ignore_eos=True)
     rids = [uuid.uuid4().hex for _ in range(batch)]
@@ -199,25 +204,26 @@ def decode_overhead(engine: LLMEngine, batch: int, offers: int, rng: random.Rand
         engine.step()
     bs = engine.blocks.block_size
     names = []
-    for _ in range(steps * offers):
+    for _ in range((steps + steps // 8 + 9) * offers):
         tokens, parent = tuple(rng.randrange(3, vocab) for _ in range(bs)), rng.randbytes(16)
         names.append((chain_hash(parent, tokens), parent, tokens))
     for _ in range(3):
         engine.step()
     base, loaded, k = [], [], 0
-    for i in range(2 * steps):  # runs of 8 steps of each kind, so that a busy machine slows both alike
-        with_offers = (i // 8) % 2 == 1
-        if not with_offers and i % 8 == 0:
+    for i in range(2 * steps + steps // 8):  # runs of 9 steps of each kind, so that a busy machine slows both alike
+        with_offers = (i // 9) % 2 == 1
+        if not with_offers and i % 9 == 0:
             engine.offloader.drain()  # no copy of the previous run still going
         free = list(engine.blocks.free)
-        pool = free[len(free) // 2:]
+        pool = free[-len(free) // 4:]  # the most recently freed quarter: where a real free puts its blocks
         t0 = time.perf_counter()
         if with_offers:
             for j in range(offers):
                 engine.offloader.offer(pool[(k * offers + j) % len(pool)], *names[k * offers + j])
             k += 1
         engine.step()
-        (loaded if with_offers else base).append(time.perf_counter() - t0)
+        if i % 9:  # a run's first step is not timed: after the drain it finds the device idle
+            (loaded if with_offers else base).append(time.perf_counter() - t0)
     engine.offloader.drain()
     for rid in rids:
         engine.abort(rid)
@@ -316,7 +322,7 @@ def main() -> None:
     gc.collect()
     cold_mb = a.cold_tier_mb or int(block_mb * blocks_needed * 2) + 8
     config = O3Config(model_path=model_dir, device=a.device, dtype=a.dtype, max_model_len=longest + 1,
-                      num_kv_blocks=max(blocks_needed * 2 + 2, a.decode_batch * 12), max_num_batched_tokens=longest,
+                      num_kv_blocks=max(blocks_needed * 2 + 2, a.decode_batch * 32), max_num_batched_tokens=longest,
                       max_num_seqs=max(32, a.decode_batch), kv_block_size=a.block_size,
                       cold_tier_mb=cold_mb, cold_tier_dir=a.cold_tier_dir, num_threads=a.threads)
     engine = LLMEngine(config, model_dir)

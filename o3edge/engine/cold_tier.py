@@ -274,18 +274,26 @@ class ColdTier:
 
     def reserve(self) -> int | None:
         """A slot to write a new block into (a free one, else the least recently used); None if all busy."""
+        got = self.reserve_many(1)
+        return got[0] if got else None
+
+    def reserve_many(self, n: int) -> list[int]:
+        """Up to n slots to write new blocks into, under one lock (fewer when every other slot is pinned)."""
+        slots = []
         with self.lock:
-            if self.free:
-                slot = self.free.pop()
-            else:
-                slot = next((s for s in self.lru if s not in self.pinned), None)
-                if slot is None:
-                    return None
-                self._forget(slot)
-                self.free.pop()  # _forget put it there
-                self.counts["cold_evicted"] += 1
-            self._set_state(slot, WRITING)
-            return slot
+            for _ in range(n):
+                if self.free:
+                    slot = self.free.pop()
+                else:
+                    slot = next((s for s in self.lru if s not in self.pinned), None)
+                    if slot is None:
+                        break
+                    self._forget(slot)
+                    self.free.pop()  # _forget put it there
+                    self.counts["cold_evicted"] += 1
+                self._set_state(slot, WRITING)
+                slots.append(slot)
+        return slots
 
     def commit(self, slot: int, entry: Entry) -> None:
         """Seal a slot whose slab is written: checksum, header, then VALID; index it."""

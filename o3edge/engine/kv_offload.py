@@ -51,12 +51,12 @@ VERIFY_GROUP = 4  # fewest blocks one pool task verifies (more for long prefixes
 
 
 class Job:
-    """One block on its way out."""
+    """One block on its way out (its Entry, with the token bytes, is made on the copier thread)."""
 
-    __slots__ = ("block_id", "entry", "slot", "batch", "done")
+    __slots__ = ("block_id", "hash", "parent", "token_ids", "slot", "batch", "done")
 
-    def __init__(self, block_id: int, entry: Entry):
-        self.block_id, self.entry = block_id, entry
+    def __init__(self, block_id: int, h: bytes, parent: bytes, token_ids: tuple[int, ...]):
+        self.block_id, self.hash, self.parent, self.token_ids = block_id, h, parent, token_ids
         self.slot: int | None = None
         self.batch: Batch | None = None
         self.done = False
@@ -323,9 +323,10 @@ class KVOffloader:
         self.tier, self.block_size = tier, block_size
         self.copier = (CudaCopier if kv_cache.is_cuda else HostCopier)(tier, kv_cache, block_size)
         self.cond = threading.Condition()
-        self.pending: dict[int, Job] = {}  # hot block id -> its job, until the job is done or overwritten
-        self.hashes: set[bytes] = set()  # names of blocks offered and not yet sealed
-        self.offered: list[Job] = []  # waiting for the next flush
+        self.pending: dict[int, Job] = {}  # hot block id -> its flushed job, until done or overwritten
+        self.hashes: set[bytes] = set()  # names of blocks flushed and not yet sealed
+        self.offered: dict[int, Job] = {}  # hot block id -> its job, until the next flush (engine thread only)
+        self.offered_hashes: set[bytes] = set()
         self.queue: deque[Batch] = deque()  # flushed, waiting for the worker
         self.verify_threads = verify_threads or min(16, os.cpu_count() or 1)
         self.verify_pool = ThreadPoolExecutor(max_workers=self.verify_threads, thread_name_prefix="o3edge-kv-verify")
@@ -339,33 +340,34 @@ class KVOffloader:
 
     # ---- out -----------------------------------------------------------------------------------
     def offer(self, block_id: int, h: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:
-        """A named block lost its last holder: keep a copy unless the tier has one or one is on its way."""
-        if h in self.tier or h in self.hashes:
+        """A named block lost its last holder: keep a copy unless the tier has one or one is on its way.
+        The engine thread's part per block is kept to a few lookups: slots, locks and the worker's
+        bookkeeping are taken once per flush (offers come by the hundred when a long sequence ends)."""
+        if h in self.tier.index or h in self.hashes or h in self.offered_hashes:
             return
-        self.before_overwrite(block_id)  # an older job for the same hot block must be copied first
-        job = Job(block_id, Entry(h, parent, tuple(token_ids)))
-        self.offered.append(job)
-        with self.cond:  # the worker removes finished jobs: never let it remove this one by mistake
-            self.pending[block_id] = job
-            self.hashes.add(h)
+        if block_id in self.pending or block_id in self.offered:
+            self.before_overwrite(block_id)  # an older job for the same hot block must be copied first
+        self.offered[block_id] = Job(block_id, h, parent, tuple(token_ids))
+        self.offered_hashes.add(h)
 
     def offer_block(self, block) -> None:
-        """The block manager's on_cached_free: offer(block) unless the tier has it or it is on its way (checked
-        here first: a long prefix freed again after a hit is hundreds of blocks the tier holds)."""
-        if block.hash not in self.tier.index and block.hash not in self.hashes:
-            self.offer(block.block_id, block.hash, block.parent, block.token_ids)
+        """The block manager's on_cached_free."""
+        self.offer(block.block_id, block.hash, block.parent, block.token_ids)
 
     def flush(self) -> None:
         """Give the offers so far their slots and hand them to the worker as one batch (engine thread)."""
         self.copier.reap()
-        jobs, self.offered = self.offered, []
-        started = []
-        for job in jobs:
-            job.slot = self.tier.reserve()
-            if job.slot is None:  # every slot is being read: skip this block
-                self._finished(job, ok=False)
-            else:
-                started.append(job)
+        if not self.offered:
+            return
+        jobs = list(self.offered.values())
+        self.offered, self.offered_hashes = {}, set()
+        slots = self.tier.reserve_many(len(jobs))  # fewer when every other slot is being read
+        started = jobs[:len(slots)]
+        for job, slot in zip(started, slots):
+            job.slot = slot
+        if len(started) < len(jobs):
+            with self.cond:
+                self.counts["cold_offload_skipped"] += len(jobs) - len(started)
         if not started:
             return
         batch = Batch(started)
@@ -378,21 +380,21 @@ class KVOffloader:
         with self.cond:
             for job in started:
                 job.batch = batch
+                self.pending[job.block_id] = job
+                self.hashes.add(job.hash)
             self.queue.append(batch)
             self.cond.notify_all()
 
     def before_overwrite(self, block_id: int) -> None:
         """The engine is about to write into block_id: its outgoing copy must be made (or ordered) first."""
+        if block_id in self.offered:  # not flushed yet: the flush gives it a batch (or no slot)
+            self.flush()
         if block_id not in self.pending:  # most blocks: no lock needed to know that
             return
         with self.cond:
             job = self.pending.pop(block_id, None)
         if job is None:
             return
-        if job.batch is None:
-            self.flush()
-            if job.batch is None:  # no slot for it (or it could not start): nothing goes out
-                return
         batch = job.batch
         with self.cond:
             claimed = batch.state == QUEUED
@@ -449,7 +451,7 @@ class KVOffloader:
         t0 = time.perf_counter()
         self.copier.wait(batch)
         for job in batch.jobs:
-            self.tier.commit(job.slot, job.entry)
+            self.tier.commit(job.slot, Entry(job.hash, job.parent, job.token_ids))
             self._finished(job, ok=True)
         self.counts["cold_offload_seconds"] += time.perf_counter() - t0
 
@@ -461,7 +463,7 @@ class KVOffloader:
     def _finished(self, job: Job, ok: bool) -> None:
         with self.cond:
             job.done = True
-            self.hashes.discard(job.entry.hash)
+            self.hashes.discard(job.hash)
             if self.pending.get(job.block_id) is job:
                 del self.pending[job.block_id]
             self.counts["cold_offloaded_blocks" if ok else "cold_offload_skipped"] += 1
