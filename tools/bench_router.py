@@ -22,9 +22,9 @@ filler text of several lengths, asked for at the end; and a passage copy (the mo
 earlier and given its start at the end; the score is how many of the next 16 tokens it reproduces).
 
 GPU (--gpu): decode tokens/s at --context tokens and --batch sequences, random weights of --shape,
-bf16: `off` on the CUDA-graph decode step, `off` eager, and the four compressed settings eager and
-with router_cuda_graphs (router_graph.py: decode steps that observe no saliency in CUDA graphs), with
-each setting's KV bytes per token and compressed share from the engine's stats.
+bf16: `off` on the CUDA-graph decode step and the compressed settings with router_cuda_graphs
+(router_graph.py: decode steps that observe no saliency in CUDA graphs; --eager adds every setting
+without graphs), with each setting's KV bytes per token and compressed share from the engine's stats.
 """
 
 from __future__ import annotations
@@ -233,9 +233,10 @@ def gpu(a) -> dict:
         make_checkpoint(path, **SHAPES[a.shape])
     rows = {}
     budget = a.batch * (a.context + a.steps + 64) // 32 + 8  # blocks for the batch (plus room)
-    runs = [("off (CUDA graphs)", "off", True), ("off (eager)", "off", False)]
-    runs += [(label, label, False) for label in SETTINGS if label != "off"]
+    runs = [("off (CUDA graphs)", "off", True)]
     runs += [(f"{label} (CUDA graphs)", label, True) for label in SETTINGS if label != "off"]
+    if a.eager:
+        runs += [("off (eager)", "off", False)] + [(label, label, False) for label in SETTINGS if label != "off"]
     for name, label, graphs in runs:
         eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, router_cuda_graphs=graphs,
                      num_kv_blocks=budget,
@@ -353,6 +354,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--eager", action="store_true", help="--gpu: also every setting without CUDA graphs")
     ap.add_argument("--workdir", default="/tmp/o3edge-bench-router")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)

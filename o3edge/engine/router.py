@@ -5,8 +5,12 @@ probability an observed query gives a cached token is added to the token's mass,
 query that could see the token adds one to its count; saliency = mass / count, so early tokens, seen
 by more queries, are not favoured for that alone. The observed queries are the last `obs_window`
 tokens of a prompt (in the step that ends it) and, during decode, the token of every
-`refresh_steps`-th step, the step that routes again. Routing runs when a prompt ends and every
-`refresh_steps` decode steps after.
+`refresh_steps`-th router step, the step that routes again. Routing runs when a prompt ends and at
+every `refresh_steps`-th step after. The refresh steps are the same for every decoding sequence (a
+count of the router's steps, not of each sequence's), so that with router_cuda_graphs only those
+steps run eager: with a count per sequence, a batch whose prompts ended in different steps had a
+sequence due almost every step, and nearly every step ran eager. With threshold 0 (every sealed
+block outside the sinks and the recent window is demoted: uniform compression) nothing is observed.
 
 Routing: the smallest set of tokens covering `threshold` of the total saliency is salient. A sealed
 block (all its tokens computed) that holds no salient token, no attention sink (the first
@@ -91,21 +95,22 @@ def blocks_to_demote(saliency: torch.Tensor, ctx: int, block_size: int, cfg: Rou
 
 
 class _SeqSaliency:
-    """Observed attention mass and observer counts of one sequence's positions (float64, CPU)."""
+    """Observed attention mass (float64, on the pool's device: observing never waits for the device) and
+    observer counts (float64, CPU) of one sequence's positions."""
 
-    def __init__(self):
-        self.mass = torch.zeros(0, dtype=torch.float64)
+    def __init__(self, device=None):
+        self.mass = torch.zeros(0, dtype=torch.float64, device=device)
         self.count = torch.zeros(0, dtype=torch.float64)
-        self.steps_since_route = 0
 
     def grow(self, n: int) -> None:
         if self.mass.numel() < n:
             extra = max(n, 2 * self.mass.numel()) - self.mass.numel()
-            self.mass = torch.cat((self.mass, torch.zeros(extra, dtype=torch.float64)))
+            self.mass = torch.cat((self.mass, self.mass.new_zeros(extra)))
             self.count = torch.cat((self.count, torch.zeros(extra, dtype=torch.float64)))
 
     def saliency(self, ctx: int) -> torch.Tensor:
-        return self.mass[:ctx] / self.count[:ctx].clamp_min(1.0)
+        """[ctx] on the CPU (one copy from the device, when routing)."""
+        return self.mass[:ctx].cpu() / self.count[:ctx].clamp_min(1.0)
 
 
 @dataclass
@@ -113,6 +118,7 @@ class _SeqStep:
     """One sequence's part of a router step."""
 
     rows: slice  # its query rows in the step's flat [T] tokens
+    start: int  # position of its first query
     q_pos: torch.Tensor  # [n] positions of its queries
     full_slots: torch.Tensor  # [Sf] cache slots of its full-precision keys (new ones included)
     full_pos: torch.Tensor  # [Sf] their positions
@@ -175,6 +181,7 @@ class KVRouter:
         self.scales = torch.zeros(L, 2, comp_slots, kv_heads, dtype=torch.float16, device=self.device)
         self.rotation = hadamard(head_dim, device=self.device) if cfg.mode == "int4" else None
         self.seqs: dict[int, _SeqSaliency] = {}
+        self.step_no = 0  # router steps so far: decode refreshes happen at the same steps for every sequence
         self.plans: dict[int, list[tuple[int, int]]] = {}  # seq_id -> (table index, block id) to demote
         self.full_bytes_per_token = full_bytes_per_token
         self.comp_bytes_per_token = L * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
@@ -214,14 +221,14 @@ class KVRouter:
             ids = torch.tensor(seq.block_table[:-(-ctx // bs)], dtype=torch.long)[pos // bs]
             comp = ids >= nf
             slots = torch.where(comp, ids - nf, ids) * bs + pos % bs  # full pool slot or compressed slot
-            state = self.seqs.setdefault(seq.seq_id, _SeqSaliency())
+            state = self.seqs.setdefault(seq.seq_id, _SeqSaliency(self.device))
             state.grow(ctx)
             if seq.num_output_tokens > 0:  # decode: the query of the step that routes
-                observe = int(n == 1 and state.steps_since_route + 1 >= self.cfg.refresh_steps)
+                observe = int(n == 1 and self._observing and self._due())
             else:  # the last queries of the prompt, in the step that ends it
                 observe = min(n, self.cfg.obs_window) if ctx == len(seq) else 0
             dev = self.device
-            parts.append(_SeqStep(slice(row, row + n), torch.arange(start, ctx, device=dev),
+            parts.append(_SeqStep(slice(row, row + n), start, torch.arange(start, ctx, device=dev),
                                   slots[~comp].to(dev), pos[~comp].to(dev), slots[comp].to(dev), pos[comp].to(dev),
                                   observe, state))
             row += n
@@ -231,24 +238,32 @@ class KVRouter:
         """Whether a step over batch observes attention for saliency (or starts a sequence's books):
         such steps run eager (router_graph.py)."""
         for seq, n in batch:
-            state = self.seqs.get(seq.seq_id)
-            if state is None or n != 1 or seq.num_output_tokens == 0 \
-                    or state.steps_since_route + 1 >= self.cfg.refresh_steps:
+            if self.seqs.get(seq.seq_id) is None or n != 1 or seq.num_output_tokens == 0:
                 return True
-        return False
+        return self._observing and self._due()
+
+    @property
+    def _observing(self) -> bool:
+        """Whether routing needs saliency (threshold 0 demotes every eligible block without it)."""
+        return self.cfg.threshold > 0
+
+    def _due(self) -> bool:
+        """Whether the current step is a decode refresh step (observe, then route)."""
+        return (self.step_no + 1) % self.cfg.refresh_steps == 0
 
     def end_step(self, batch) -> None:
         """Route the sequences whose prompt just ended, and the decoding ones due for a refresh: plan
         the demotions, which RouterBlocks.mark_computed carries out."""
+        due = self._due()
+        self.step_no += 1
         for seq, n in batch:
             ctx = seq.num_computed_tokens + n
             if ctx < len(seq):
                 continue  # a prompt chunk that does not end the prompt
-            state = self.seqs[seq.seq_id]
-            state.steps_since_route += 1
-            if seq.num_output_tokens > 0 and state.steps_since_route < self.cfg.refresh_steps:
+            state = self.seqs.setdefault(seq.seq_id, _SeqSaliency(self.device))
+            if seq.num_output_tokens > 0 and not due:
                 continue
-            state.steps_since_route = 0
+            state.grow(ctx)
             table = seq.block_table
             flags = [self.is_compressed(b) for b in table[:ctx // self.block_size]]
             plan = blocks_to_demote(state.saliency(ctx), ctx, self.block_size, self.cfg, flags)
@@ -306,15 +321,18 @@ class KVRouter:
         lse_w = lse[:, -w:, None]
         state = part.state
         p_full = torch.exp(s_full[:, -w:] - lse_w).mean(0).sum(0)  # [Sf]
-        state.mass.index_add_(0, part.full_pos.cpu(), p_full.double().cpu())
+        state.mass.index_add_(0, part.full_pos, p_full.double())
         if part.comp_slots.numel():
             if s_comp is None:  # the kernel gave no scores: recompute them for the one query
                 kc, _ = self._gather(layer, part.comp_slots)
                 s_comp = _scores(self._rotate(qf), kc, self.kv_heads) * scale
             p_comp = torch.exp(s_comp[:, -w:] - lse_w).mean(0).sum(0)
-            state.mass.index_add_(0, part.comp_pos.cpu(), p_comp.double().cpu())
-        q_pos = part.q_pos[-w:].cpu()
-        ctx = int(q_pos[-1]) + 1
+            state.mass.index_add_(0, part.comp_pos, p_comp.double())
+        if layer:
+            return  # the observers are counted once a step
+        end = part.start + part.q_pos.numel()  # host-side: no copy from the device
+        q_pos = torch.arange(end - w, end)
+        ctx = end
         seen = (torch.arange(ctx)[None, :] <= q_pos[:, None]).sum(0).double()
         state.count[:ctx] += seen
 

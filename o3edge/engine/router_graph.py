@@ -5,9 +5,9 @@ kernels/quant_attention.router_decode_attention: RoPE, the K/V write, and attent
 sequence's full-precision blocks and its compressed blocks, merged by log-sum-exp, all inside the
 captured graph. Its metadata rows are wider: the full-precision block table is compacted (the
 compressed blocks left out) and the compressed blocks get a table of their own. Steps that observe
-attention for saliency (a sequence's every `refresh_steps`-th decode step) need the probabilities,
-so they run eager (router.py), as do prefills. No step is launched ahead: the router's demotions
-change block tables between steps.
+attention for saliency (every `refresh_steps`-th router step, the same for every sequence; none
+with threshold 0) need the probabilities, so they run eager (router.py), as do prefills. No step is
+launched ahead: the router's demotions change block tables between steps.
 """
 
 from __future__ import annotations
