@@ -233,10 +233,11 @@ def gpu(a) -> dict:
         make_checkpoint(path, **SHAPES[a.shape])
     rows = {}
     budget = a.batch * (a.context + a.steps + 64) // 32 + 8  # blocks for the batch (plus room)
+    labels = [x for x in (a.only.split(",") if a.only else SETTINGS) if x != "off"]
     runs = [("off (CUDA graphs)", "off", True)]
-    runs += [(f"{label} (CUDA graphs)", label, True) for label in SETTINGS if label != "off"]
+    runs += [(f"{label} (CUDA graphs)", label, True) for label in labels]
     if a.eager:
-        runs += [("off (eager)", "off", False)] + [(label, label, False) for label in SETTINGS if label != "off"]
+        runs += [("off (eager)", "off", False)] + [(label, label, False) for label in labels]
     for name, label, graphs in runs:
         eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, router_cuda_graphs=graphs,
                      num_kv_blocks=budget,
@@ -347,7 +348,7 @@ def main(argv=None):
     ap.add_argument("--tuned", action="store_true", help="also the router with threshold 0.5 and 32 recent tokens")
     ap.add_argument("--capacity", action="store_true", help="sequences at once in a fixed KV budget (CPU)")
     ap.add_argument("--capacity-seqs", type=int, default=8)
-    ap.add_argument("--only", default=None, help="--capacity: these settings (comma-separated labels)")
+    ap.add_argument("--only", default=None, help="--capacity, --gpu: these settings (comma-separated labels)")
     ap.add_argument("--capacity-budget", type=float, default=3.0, help="full-precision sequences the pool holds")
     ap.add_argument("--gpu", action="store_true", help="decode speed on the GPU instead of quality on the CPU")
     ap.add_argument("--shape", default="llama-1b")

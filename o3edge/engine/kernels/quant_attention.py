@@ -31,6 +31,12 @@ def _load_dequant(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stri
     base = slot[:, None] * stride_slot + kvh * stride_head
     if BITS == 8:
         q = tl.load(codes_ptr + base + d[None, :], mask=mask, other=0).to(tl.float32)
+    elif HD == d.shape[0]:  # each byte loaded once, its two codes interleaved back (low nibble first)
+        half = tl.arange(0, HD // 2)
+        byte = tl.load(codes_ptr + base + half[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+        lo, hi = byte & 0xF, (byte >> 4) & 0xF
+        lo, hi = tl.where(lo > 7, lo - 16, lo), tl.where(hi > 7, hi - 16, hi)
+        q = tl.reshape(tl.join(lo, hi), [byte.shape[0], HD]).to(tl.float32)
     else:
         byte = tl.load(codes_ptr + base + (d // 2)[None, :], mask=mask, other=0).to(tl.int32)
         nib = (byte >> ((d % 2) * 4)[None, :]) & 0xF
@@ -51,6 +57,28 @@ def _attend_qblock(q, m, l_sum, acc, blk, k_codes, v_codes, k_scales, v_scales, 
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, BLOCK_N]
     return softmax_step(s, v, m, l_sum, acc, True, tl.float32)
+
+
+@triton.jit
+def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh, d, stride_slot,
+                    stride_head, s_slot, s_head, sm_scale, HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr,
+                    CBLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
+    """Compressed blocks table[j .. j+NB) (those before j_end) in one tile of CBLOCK_N >= NB * KV_BLOCK keys.
+    Off IEEE, the dequantized keys and values meet the query and the probabilities on the tensor cores in
+    the cache's dtype, as the full-precision keys do."""
+    offs = tl.arange(0, CBLOCK_N)
+    bi = j + offs // KV_BLOCK
+    n_mask = (offs < NB * KV_BLOCK) & (bi < j_end)
+    blk = tl.load(table + bi, mask=n_mask, other=0)
+    slot = blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
+    k = _load_dequant(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
+    v = _load_dequant(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q.to(dtype), tl.trans(k.to(dtype)))
+    s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, CBLOCK_N]
+    return softmax_step(s, v if IEEE else v.to(dtype), m, l_sum, acc, IEEE, dtype)
 
 
 @triton.jit
@@ -152,7 +180,7 @@ def _router_decode_kernel(
         rot_ptr, qn_ptr, kn_ptr, eps, out_ptr, stride_out, part_o_ptr, part_lse_ptr, sm_scale,
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
+        NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
         PDL: tl.constexpr):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -188,11 +216,11 @@ def _router_decode_kernel(
     j = split * per
     j_end = tl.minimum(j + per, n_comp)
     m_c, l_c, acc_c = softmax_init(G_PAD, HD_PAD)
-    while j < j_end:
-        blk = tl.load(meta + 5 + MAX_BLOCKS + j)
-        m_c, l_c, acc_c = _attend_qblock(qf, m_c, l_c, acc_c, blk, k_codes, v_codes, k_scales, v_scales, kvh, d,
-                                         c_slot, c_head, s_slot, s_head, sm_scale, HD, KV_BLOCK, CBLOCK_N, BITS)
-        j += 1
+    while j < j_end:  # NB blocks a tile
+        m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, meta + 5 + MAX_BLOCKS, k_codes, v_codes,
+                                          k_scales, v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
+                                          KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+        j += NB
     if BITS == 4:
         acc_c = tl.dot(acc_c, rot, input_precision="ieee")  # R is its own inverse
 
@@ -228,6 +256,10 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     norm = q_norm is not None
     rot = rotation if rotation is not None else cos
     on = pdl.enabled(str(qkv.device))
+    # compressed keys: 64 a tile (whole blocks) where the block size is a power of 2 up to 64, else one block
+    pow2 = block_size & (block_size - 1) == 0
+    nb = max(1, 64 // block_size) if pow2 else 1
+    cblock = max(16, triton.next_power_of_2(nb * block_size))
     _router_decode_kernel[(B, KVH, num_splits)](
         qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), max_blocks, k_cache, v_cache, k_cache.stride(0),
         codes[0], codes[1], scales[0], scales[1], codes.stride(1), codes.stride(2), scales.stride(1),
@@ -235,7 +267,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         part_o, part_lse, HD ** -0.5,
         H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
-        BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, CBLOCK_N=max(16, triton.next_power_of_2(block_size)),
+        BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
         PDL=on, num_warps=4, **pdl.launch_options(on))
     return merge_splits(out, part_o, part_lse, num_splits, on)
