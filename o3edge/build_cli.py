@@ -1,7 +1,8 @@
 """`o3edge build`: turn a Hugging Face checkpoint into an engine directory; `o3edge inspect`: show one.
 
   o3edge build SRC OUT [--int4-ffn/--no-int4-ffn] [--group-size 128] [--dtype bfloat16] [--check]
-  o3edge build SRC OUT --preset cpu-int8|cpu-int4 [--check]
+  o3edge build SRC OUT --preset cpu-int8|cpu-int4|cpu-int4-all [--calibration-text FILE ...]
+                       [--calibration-tokens N] [--check]
   o3edge inspect ENGINE_DIR
 """
 
@@ -38,9 +39,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     b.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="dtype of everything not INT4 (default: bfloat16; float32 runs faster on CPUs "
                         "without native bf16)")
-    b.add_argument("--preset", choices=("cpu-int8", "cpu-int4"), default=None,
+    b.add_argument("--preset", choices=("cpu-int8", "cpu-int4", "cpu-int4-all"), default=None,
                    help="a CPU engine: cpu-int8 = every linear and the LM head INT8 (fastest on CPU); "
-                        "cpu-int4 = FFN INT4 g32, the rest INT8 (smallest). Sets dtype and INT4 itself")
+                        "cpu-int4 = FFN INT4 g32, the rest INT8; cpu-int4-all = every linear and the LM head "
+                        "INT4 g32 by GPTQ, calibrated at build time (smallest). Sets dtype and INT4 itself")
+    b.add_argument("--calibration-text", nargs="+", default=None, metavar="FILE",
+                   help="text files a GPTQ preset calibrates on (default: the docstrings of Python's "
+                        "standard library)")
+    b.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
+                   help="tokens of calibration text a GPTQ preset runs the model over (default 65536; fewer "
+                        "build faster)")
     b.add_argument("--check", action="store_true",
                    help="compute the precision-alignment report against the float32 source; store it in the manifest")
     b.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per prompt for --check (default 32)")
@@ -88,16 +96,34 @@ def build(a: argparse.Namespace, console: Console) -> int:
         from o3edge.engine.cpu_quant import PRESETS
 
         what = f"preset {a.preset}: {PRESETS[a.preset].summary}"
+        if PRESETS[a.preset].int4_method.startswith("gptq"):
+            from o3edge.engine.gptq import CALIBRATION_TOKENS
+
+            what += (f"; calibrating on {a.calibration_tokens or CALIBRATION_TOKENS:,} tokens first "
+                     "(minutes for a model of 100M+ parameters)")
     console.print(f"building {a.out} from {a.src}: {what}", markup=False)
     with _progress(console, total) as step:
         manifest = build_engine_dir(a.src, a.out, getattr(torch, a.dtype), group, a.force, step, a.preset,
-                                    a.int4_all)
+                                    a.int4_all, _read_texts(a.calibration_text), a.calibration_tokens)
     size = manifest.raw["weights"]["bytes"]
     console.print(f"wrote {a.out}: {size / 2**20:.1f} MiB of weights, {len(manifest.quantized)} INT4 modules, "
                   f"{len(manifest.int8_modules)} INT8 modules, {time.perf_counter() - t0:.1f} s", markup=False)
     if a.check:
         check(a, manifest, console)
     return 0
+
+
+def _read_texts(paths: list[str] | None) -> list[str] | None:
+    if not paths:
+        return None
+    texts = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                texts.append(fh.read())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise O3Error(f"cannot read calibration text {path}: {exc}") from None
+    return texts
 
 
 class _progress:
@@ -193,7 +219,10 @@ def inspect(engine_dir: str, console: Console) -> int:
         return 0
     m = read_manifest(engine_dir)
     raw, args = m.raw, m.args
-    parts = ([f"INT4 group {m.group_size}, {len(m.quantized)} modules"] if m.group_size else []) + (
+    int4 = raw["quantization"] or {}
+    int4 = int4 if "scheme" in int4 else int4.get("int4") or {}  # format version 1 / 2
+    method = f", {int4['method']}" if int4.get("method", "rtn") != "rtn" else ""
+    parts = ([f"INT4 group {m.group_size}, {len(m.quantized)} modules{method}"] if m.group_size else []) + (
         [f"INT8 {len(m.int8_modules)} modules"] if m.int8_modules else [])
     quant = "; ".join(parts) + (f" (preset {m.preset})" if m.preset else "") if parts else "none"
     lines = [f"engine      {os.path.abspath(engine_dir)} (format {raw['format_version']})",

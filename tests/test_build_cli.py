@@ -53,3 +53,25 @@ def test_errors_are_one_line_and_exit_2(tiny_dir, tmp_path, capsys):
     assert main(["build", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
     assert "config.json not found" in capsys.readouterr().err
     assert main(["inspect", tiny_dir]) == 2  # a checkpoint, not an engine
+
+
+def test_int4_all_preset_calibrates_on_the_users_text(tiny_dir, tmp_path, capsys):
+    text = tmp_path / "calibration.txt"
+    text.write_text("def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n\n" * 400)
+    out = str(tmp_path / "engine")
+    assert main(["build", tiny_dir, out, "--preset", "cpu-int4-all", "--calibration-text", str(text),
+                 "--calibration-tokens", "1024"]) == 0
+    assert "calibrating on 1,024 tokens" in capsys.readouterr().out
+    int4 = manifest(out)["quantization"]["int4"]
+    assert int4["method"] == "gptq-mse" and "lm_head" in int4["modules"]
+    assert int4["calibration"] == {"text": "user-supplied", "window": 512, "tokens": 1024}
+    assert main(["inspect", out]) == 0
+    assert "17 modules, gptq-mse (preset cpu-int4-all)" in capsys.readouterr().out
+
+
+def test_calibration_text_too_short_is_refused(tiny_dir, tmp_path, capsys):
+    text = tmp_path / "calibration.txt"
+    text.write_text("too short")
+    assert main(["build", tiny_dir, str(tmp_path / "engine"), "--preset", "cpu-int4-all",
+                 "--calibration-text", str(text)]) == 2
+    assert "calibration text too short" in capsys.readouterr().err

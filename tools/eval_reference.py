@@ -195,7 +195,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--write", default=None, help="markdown file to put the table in (e.g. docs/benchmarks.md)")
-    ap.add_argument("--preset", nargs="*", default=[], choices=("cpu-int8", "cpu-int4"),
+    ap.add_argument("--preset", nargs="*", default=[], choices=("cpu-int8", "cpu-int4", "cpu-int4-all"),
                     help="also score engine directories built with `o3edge build --preset` (built in a temp dir)")
     ap.add_argument("--only", nargs="*", default=None, help="score only these variant labels (FP32 always)")
     a = ap.parse_args(argv)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from o3edge.engine.quant import swap_modules
+from o3edge.engine.quant import can_quantize, quantizable, swap_modules
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,8 @@ class Preset:
     dtype: str  # of everything not quantized (embedding, norms)
     int4_group_size: int | None  # FFN projections in INT4 (torch's int4pack) when set, else INT8
     summary: str
+    int4_all: bool = False  # every linear INT4, the LM head included (INT8 where INT4 cannot take the shape)
+    int4_method: str = "rtn"  # how INT4 weights are quantized (gptq.METHODS); gptq ones calibrate at build time
 
 
 PRESETS = {
@@ -209,22 +211,38 @@ PRESETS = {
                        "every linear layer and the LM head INT8 per row (fbgemm on x86); embedding float32"),
     "cpu-int4": Preset("cpu-int4", "float32", 32,
                        "FFN INT4 group 32 (int4pack), attention projections and LM head INT8; embedding float32"),
+    "cpu-int4-all": Preset("cpu-int4-all", "float32", 32,
+                           "every linear layer and the LM head INT4 group 32, quantized by GPTQ with searched "
+                           "scales (calibrated at build time); embedding float32", int4_all=True,
+                           int4_method="gptq-mse"),
 }
 
 
+def int4_targets(model: nn.Module, preset: Preset) -> list[str]:
+    """Module names a preset stores in INT4: the FFN projections, or with int4_all every linear, the LM head
+    included (tied: its own INT4 copy of the embedding); only shapes the INT4 packers take."""
+    if not preset.int4_group_size:
+        return []
+    names = quantizable(model, preset.int4_group_size, preset.int4_all)
+    vocab, hidden = model.embed.weight.shape
+    if preset.int4_all and model.lm_head is None and can_quantize(vocab, hidden, preset.int4_group_size):
+        names.append(LM_HEAD)
+    return names
+
+
 def int8_targets(model: nn.Module, preset: Preset) -> list[str]:
-    """Module names a preset stores in INT8: attention projections, the LM head, the FFN unless INT4.
+    """Module names a preset stores in INT8: the attention projections, FFN and LM head that are not INT4.
 
     Layers with a bias (Qwen2's qkv) stay dense: Int8Linear is bias-free."""
-    suffixes = ATTN_MODULES + (() if preset.int4_group_size else FFN_MODULES)
+    int4 = set(int4_targets(model, preset))
     names = []
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and name.endswith(suffixes):
+        if isinstance(mod, nn.Linear) and name.endswith(ATTN_MODULES + FFN_MODULES) and name not in int4:
             if mod.bias is None:
                 names.append(name)
             else:
                 log.warning("%s stays dense: INT8 layers are bias-free", name)
-    return names + [LM_HEAD]
+    return names + ([LM_HEAD] if LM_HEAD not in int4 else [])
 
 
 def int8_tag(model: nn.Module) -> str:

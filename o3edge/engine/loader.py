@@ -15,8 +15,9 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from o3edge.engine import gptq
 from o3edge.engine.checkpoint import ModelArgs, load_tensors, read_model_args
-from o3edge.engine.cpu_quant import LM_HEAD, Preset, int8_targets, quantize_int8, swap_to_int8
+from o3edge.engine.cpu_quant import LM_HEAD, Preset, int4_targets, int8_targets, quantize_int8, swap_to_int8
 from o3edge.engine.cpu_quant import SUFFIXES as INT8_SUFFIXES
 from o3edge.engine.engine_dir import is_engine_dir, load_weights, read_manifest
 from o3edge.engine.model import RMSNorm, Transformer, hf_weight_map
@@ -52,48 +53,80 @@ def int4_modules(args: ModelArgs, group_size: int, every_linear: bool = False) -
         return quantizable(Transformer(args), group_size, every_linear)
 
 
-def preset_int8_modules(args: ModelArgs, preset: Preset) -> list[str]:
-    """The linears of this architecture that a CPU preset stores in INT8 (LM head included)."""
+def preset_modules(args: ModelArgs, preset: Preset) -> tuple[list[str], list[str]]:
+    """The linears of this architecture that a CPU preset stores in INT4 and in INT8 (LM head included)."""
     with on_meta():
-        return int8_targets(Transformer(args), preset)
+        model = Transformer(args)
+        return int4_targets(model, preset), int8_targets(model, preset)
 
 
 def build_state_dict(args: ModelArgs, tensors: dict, dtype: torch.dtype, int4_group_size: int | None = None,
                      progress: Callable[[str], None] | None = None, int8_modules: list[str] = (),
-                     int4_all: bool = False) -> dict:
+                     int4_all: bool = False, int4_names: list[str] | None = None, int4_method: str = "rtn",
+                     calibration: list[list[int]] | None = None) -> dict:
     """Our state dict from Hugging Face tensors: fused q/k/v and gate/up, cast to dtype.
 
-    With int4_group_size, the FFN projections (int4_all: every linear) become <name>.qweight and
-    <name>.scales_and_zeros;
-    int8_modules become <name>.qweight8 and <name>.scales8 (a tied LM head: a copy of the
-    embedding, which stays dense for the lookup). Both are quantized from the checkpoint's own
+    With int4_group_size, the FFN projections (int4_all: every linear; int4_names: those) become
+    <name>.qweight and <name>.scales_and_zeros, quantized by int4_method (gptq.METHODS; the gptq
+    ones run the float32 model over the calibration windows of token ids);
+    int8_modules become <name>.qweight8 and <name>.scales8. A tied LM head in either is a copy of
+    the embedding, which stays dense for the lookup. Both are quantized from the checkpoint's own
     precision (not from the cast copy).
     """
-    to_int4 = set(int4_modules(args, int4_group_size, int4_all)) if int4_group_size else set()
+    if not int4_group_size:
+        to_int4 = set()
+    else:
+        to_int4 = set(int4_modules(args, int4_group_size, int4_all) if int4_names is None else int4_names)
     to_int8 = set(int8_modules)
+    calibrated = {}
+    if to_int4 and int4_method != "rtn":
+        model = float32_model(args, tensors)
+        calibrated = gptq.calibrate(model, calibration or [], sorted(to_int4), int4_group_size, int4_method)
+        del model
+
+    def int4(module, weight):
+        return calibrated[module] if module in calibrated else quantize_int4(weight, int4_group_size)
+
     with on_meta():
         shapes = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
     state = {}
-    for ours, theirs in hf_weight_map(args).items():
-        missing = [n for n in theirs if n not in tensors]
-        if missing:
-            raise CheckpointError(f"checkpoint lacks tensor(s) {missing}")
-        parts = [tensors[n] for n in theirs]
-        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    for ours, weight in _fused(args, tensors):
         module = ours.removesuffix(".weight")
         if module in to_int4:
             _check_shape(ours, weight, shapes[ours])
-            state[module + ".qweight"], state[module + ".scales_and_zeros"] = quantize_int4(weight, int4_group_size)
+            state[module + ".qweight"], state[module + ".scales_and_zeros"] = int4(module, weight)
         elif module in to_int8:
             _check_shape(ours, weight, shapes[ours])
             state[module + ".qweight8"], state[module + ".scales8"] = quantize_int8(weight)
         else:
             state[ours] = weight.to(dtype)
-        if ours == "embed.weight" and LM_HEAD in to_int8 and args.tie_word_embeddings:
+        if ours == "embed.weight" and args.tie_word_embeddings and LM_HEAD in to_int4:
+            state[LM_HEAD + ".qweight"], state[LM_HEAD + ".scales_and_zeros"] = int4(LM_HEAD, weight)
+        elif ours == "embed.weight" and args.tie_word_embeddings and LM_HEAD in to_int8:
             state[LM_HEAD + ".qweight8"], state[LM_HEAD + ".scales8"] = quantize_int8(weight)
         if progress is not None:
             progress(ours)
     return state
+
+
+def _fused(args: ModelArgs, tensors: dict):
+    """(our name, weight) for each of our parameters, Hugging Face tensors concatenated in the checkpoint's dtype."""
+    for ours, theirs in hf_weight_map(args).items():
+        missing = [n for n in theirs if n not in tensors]
+        if missing:
+            raise CheckpointError(f"checkpoint lacks tensor(s) {missing}")
+        parts = [tensors[n] for n in theirs]
+        yield ours, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def float32_model(args: ModelArgs, tensors: dict) -> Transformer:
+    """The checkpoint as a dense float32 Transformer on the CPU (calibration at build time)."""
+    with on_meta():
+        model = Transformer(args)
+    state = {ours: weight.to(torch.float32, copy=True) for ours, weight in _fused(args, tensors)}  # GPTQ edits it
+    check_shapes(model, state)
+    model.load_state_dict(state, assign=True)
+    return model.eval().requires_grad_(False)
 
 
 def _check_shape(name: str, tensor: torch.Tensor, shape: tuple) -> None:

@@ -54,9 +54,15 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     # round scale and zero to bf16 first, then pick q against the values the kernel will use
     scale = ((hi - lo).clamp(min=1e-6) / 15).to(torch.bfloat16).float()
     zero = (lo + 8 * scale).to(torch.bfloat16).float()
-    q = ((w - zero) / scale).round().add(8).clamp(0, 15).to(torch.uint8).view(N, Kp)
+    q = ((w - zero) / scale).round().add(8).clamp(0, 15)
+    return pack_int4(q.view(N, Kp), scale.view(N, -1), zero.view(N, -1))
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, Kp] in 0..15, scale and zero [N, G] -> the on-disk (qweight uint8 [N, Kp/2], scales_and_zeros bf16)."""
+    q = q.to(torch.uint8)
     qweight = (q[:, 0::2] << 4) | q[:, 1::2]  # [N, Kp/2]
-    sz = torch.stack([scale, zero], dim=-1).view(N, Kp // group_size, 2).transpose(0, 1)  # [G, N, 2]
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # [G, N, 2]
     return qweight.contiguous(), sz.to(torch.bfloat16).contiguous()
 
 
@@ -187,8 +193,13 @@ def swap_modules(model: nn.Module, names: list[str], make) -> dict[str, nn.Modul
 
 
 def swap_to_int4(model: nn.Module, names: list[str], group_size: int) -> dict[str, Int4Linear]:
-    """Replace the named nn.Linear modules by empty Int4Linear ones (call under torch.device('meta'))."""
-    return swap_modules(model, names, lambda old: Int4Linear(old.in_features, old.out_features, group_size))
+    """Replace the named nn.Linear modules (or a tied LM head's None) by empty Int4Linear ones (call under
+    torch.device('meta'))."""
+    def make(old):
+        n, k = model.embed.weight.shape if old is None else (old.out_features, old.in_features)
+        return Int4Linear(k, n, group_size)
+
+    return swap_modules(model, names, make)
 
 
 def int4_tag(model: nn.Module) -> str:

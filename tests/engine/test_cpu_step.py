@@ -13,14 +13,15 @@ needs_kernels = pytest.mark.skipif(not cpu_ext.available(), reason="this CPU lac
 
 
 @needs_kernels
-@pytest.mark.parametrize("variant,preset", [("qwen3-qknorm", "cpu-int4"), ("llama-tied", "cpu-int8")])
+@pytest.mark.parametrize("variant,preset", [("qwen3-qknorm", "cpu-int4"), ("llama-tied", "cpu-int8"),
+                                            ("llama-tied", "cpu-int4-all")])
 def test_native_decode_matches_eager(checkpoints, tmp_path, variant, preset):
     """Two sequences of different lengths decode together; the logits of every step equal eager
     decode_forward's on the same INT8/INT4 layers (q/k norms and GQA included), and so do the tokens. The
     native run comes second: its prompts hit the prefix cache, so its keys sit in blocks that are not
     consecutive (read through the block tables), where the eager run had them in one span."""
     path = str(tmp_path / preset)
-    build_engine_dir(checkpoints(variant), path, torch.bfloat16, None, preset=preset)
+    build_engine_dir(checkpoints(variant), path, torch.bfloat16, None, preset=preset, calibration_tokens=4096)
     engine = O3Model.from_config(O3Config(model_path=path, device="cpu", kv_block_size=8)).engine
     runner = engine.runner
     native = runner.cpu_decode.native
