@@ -21,7 +21,7 @@ PROMPT=$WORK/models/prompt_smol-135m.json
 CKPT=$WORK/models/smol-135m
 PY=${PYTHON:-python3}
 rm -rf "$OUT" && mkdir -p "$OUT"
-for preset in cpu-int8 cpu-int4; do  # engine dirs, built once from the peers' own checkpoint
+for preset in cpu-int8 cpu-int4 cpu-int4-all; do  # engine dirs, built once from the peers' own checkpoint
   [ -f "$WORK/o3/smol-135m-$preset/manifest.json" ] || \
     PYTHONPATH="$HERE/.." $PY -m o3edge.build_cli build "$CKPT" "$WORK/o3/smol-135m-$preset" --preset "$preset" --force
 done
@@ -40,6 +40,7 @@ for p in $(seq 1 "$PASSES"); do
   o3 "o3edge cpu-int8" "$WORK/o3/smol-135m-cpu-int8" "$p"
   llama "llama.cpp Q8_0" Q8_0 "$p"
   o3 "o3edge cpu-int4" "$WORK/o3/smol-135m-cpu-int4" "$p"
+  o3 "o3edge cpu-int4-all" "$WORK/o3/smol-135m-cpu-int4-all" "$p"
   [ "${COMPILE:-0}" = 0 ] || o3 "o3edge cpu-int8 compiled" "$WORK/o3/smol-135m-cpu-int8" "$p" --compile --no-native
   [ "${COMPILE:-0}" = 0 ] || o3 "o3edge cpu-int4 compiled" "$WORK/o3/smol-135m-cpu-int4" "$p" --compile --no-native
   [ "${FP32:-1}" = 0 ] || o3 "o3edge fp32" "$CKPT" "$p"
