@@ -209,14 +209,6 @@ def _dot(x, w, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _dot_t(w, x, acc_t, IEEE: tl.constexpr):
-    """acc_t + w @ x.T on the tensor cores: the transposed product, weight rows as the dot's rows."""
-    if IEEE:
-        return tl.dot(w, tl.trans(x), acc_t, input_precision="ieee")
-    return tl.dot(w, tl.trans(x), acc_t)
-
-
-@triton.jit
 def weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_K: tl.constexpr, dtype: tl.constexpr):
     """Weight rows rn, columns k0 .. k0+BLOCK_K, as [BLOCK_N, BLOCK_K] in the model dtype."""
@@ -267,7 +259,7 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
             if BLOCK_M == 1:
                 acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
             elif SWAP:  # the weight tile is the dot's first operand (on Hopper it may stay in registers)
-                acc_t = _dot_t(w, x, acc_t, IEEE)
+                acc_t = _dot(w, x, acc_t, IEEE)  # w @ x.T
             else:
                 acc = _dot(x, w, acc, IEEE)
     if BLOCK_M == 1:

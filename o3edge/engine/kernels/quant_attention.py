@@ -46,20 +46,6 @@ def _load_dequant(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stri
 
 
 @triton.jit
-def _attend_qblock(q, m, l_sum, acc, blk, k_codes, v_codes, k_scales, v_scales, kvh, d, stride_slot, stride_head,
-                   s_slot, s_head, sm_scale, HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BITS: tl.constexpr):
-    offs = tl.arange(0, BLOCK_N)
-    n_mask = offs < KV_BLOCK
-    slot = blk.to(tl.int64) * KV_BLOCK + offs
-    k = _load_dequant(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
-    v = _load_dequant(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, BLOCK_N]
-    return softmax_step(s, v, m, l_sum, acc, True, tl.float32)
-
-
-@triton.jit
 def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh, d, stride_slot,
                     stride_head, s_slot, s_head, sm_scale, HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr,
                     CBLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
@@ -95,20 +81,19 @@ def _quant_attention_kernel(q_ptr, stride_qb, table_ptr, stride_tb, count_ptr, k
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * HD + d[None, :], mask=qmask, other=0.0).to(tl.float32)
     n = tl.load(count_ptr + b)
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
+    table = table_ptr + b * stride_tb
     if INTERPRET:  # the interpreter cannot take a tensor as a range bound
         j = 0
         while j < n:
-            blk = tl.load(table_ptr + b * stride_tb + j)
-            m, l_sum, acc = _attend_qblock(q, m, l_sum, acc, blk, k_codes, v_codes, k_scales, v_scales, kvh, d,
-                                           stride_slot, stride_head, s_slot, s_head, sm_scale, HD, KV_BLOCK,
-                                           BLOCK_N, BITS)
+            m, l_sum, acc = _attend_cblocks(q, m, l_sum, acc, j, n, table, k_codes, v_codes, k_scales, v_scales, kvh,
+                                            d, stride_slot, stride_head, s_slot, s_head, sm_scale, HD, KV_BLOCK, 1,
+                                            BLOCK_N, BITS, True, tl.float32)
             j += 1
     else:
         for j in range(0, n):
-            blk = tl.load(table_ptr + b * stride_tb + j)
-            m, l_sum, acc = _attend_qblock(q, m, l_sum, acc, blk, k_codes, v_codes, k_scales, v_scales, kvh, d,
-                                           stride_slot, stride_head, s_slot, s_head, sm_scale, HD, KV_BLOCK,
-                                           BLOCK_N, BITS)
+            m, l_sum, acc = _attend_cblocks(q, m, l_sum, acc, j, n, table, k_codes, v_codes, k_scales, v_scales, kvh,
+                                            d, stride_slot, stride_head, s_slot, s_head, sm_scale, HD, KV_BLOCK, 1,
+                                            BLOCK_N, BITS, True, tl.float32)
     has = l_sum > 0
     o = tl.where(has[:, None], acc / tl.where(has, l_sum, 1.0)[:, None], 0.0)
     lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
