@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from o3edge.engine.model import StepBatch, Transformer
-from o3edge.engine.quant import dequantize_int4, pack_int4, padded_k, quantize_int4
+from o3edge.engine.quant import (dequantize_int4, int4_levels, minmax_scale_zero, pack_int4, padded_k,
+                                 quantize_int4)
 from o3edge.engine.rope import rope_tables
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,8 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
 
-def _levels(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """The stored q in 0..15 of weights w for the kernels' (q - 8) * scale + zero."""
-    return ((w - zero) / scale).round().add(8).clamp(0, 15)
-
-
 def _error(w, scale, zero):
-    return ((_levels(w, scale, zero) - 8) * scale + zero - w).square().sum(-1, keepdim=True)
+    return ((int4_levels(w, scale, zero) - 8) * scale + zero - w).square().sum(-1, keepdim=True)
 
 
 def _least_squares(w, q):
@@ -72,12 +68,11 @@ def _least_squares(w, q):
 
 def fit_groups(w: torch.Tensor, search: bool = True):
     """w [R, g] -> (scale, zero) [R, 1], bf16-exact: min/max's, or the best of a search (see module doc)."""
-    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    span = (hi - lo).clamp(min=1e-6)
-    scale = _bf16(span / 15)
-    zero = _bf16(lo + 8 * scale)
+    scale, zero = minmax_scale_zero(w)
     if not search:
         return scale, zero
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    span = (hi - lo).clamp(min=1e-6)
     best = _error(w, scale, zero)
     for k in range(21):
         q = ((w - lo) * ((14 + 0.1 * k) / span)).round().clamp(0, 15)
@@ -85,7 +80,7 @@ def fit_groups(w: torch.Tensor, search: bool = True):
             s, m = _least_squares(w, q)
             s = torch.where(s > 0, _bf16(s), scale)  # a constant rounding has no scale: keep the current one
             z = _bf16(m + 8 * s)
-            q = _levels(w, s, z)
+            q = int4_levels(w, s, z)
         err = _error(w, s, z)
         better = err < best
         scale, zero, best = torch.where(better, s, scale), torch.where(better, z, zero), torch.where(better, err, best)
@@ -98,7 +93,7 @@ def quantize_mse(weight: torch.Tensor, group_size: int):
     Kp = padded_k(K, group_size)
     w = F.pad(weight.float(), (0, Kp - K)).view(N * (Kp // group_size), group_size)
     scale, zero = fit_groups(w)
-    q = _levels(w, scale, zero)
+    q = int4_levels(w, scale, zero)
     return pack_int4(q.view(N, Kp), scale.view(N, -1), zero.view(N, -1))
 
 
@@ -129,7 +124,7 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
                 scale, zero = fit_groups(W1[:, i:i + g], search)  # [N, 1]
                 scales[:, col // g], zeros[:, col // g] = scale[:, 0], zero[:, 0]
             w = W1[:, i:i + 1]
-            q = _levels(w, scale, zero)
+            q = int4_levels(w, scale, zero)
             Q[:, col:col + 1] = q
             err = (w - ((q - 8) * scale + zero)) / Hinv1[i, i]
             W1[:, i:] -= err * Hinv1[i:i + 1, i:]

@@ -50,12 +50,20 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     N, K = weight.shape
     Kp = padded_k(K, group_size)
     w = F.pad(weight.float(), (0, Kp - K)).view(N, Kp // group_size, group_size)  # [N, G, g]
+    scale, zero = minmax_scale_zero(w)
+    return pack_int4(int4_levels(w, scale, zero).view(N, Kp), scale.view(N, -1), zero.view(N, -1))
+
+
+def minmax_scale_zero(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (scale, zero) [..., 1] from its min and max, rounded to bf16 first (the values the kernels use)."""
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    # round scale and zero to bf16 first, then pick q against the values the kernel will use
     scale = ((hi - lo).clamp(min=1e-6) / 15).to(torch.bfloat16).float()
-    zero = (lo + 8 * scale).to(torch.bfloat16).float()
-    q = ((w - zero) / scale).round().add(8).clamp(0, 15)
-    return pack_int4(q.view(N, Kp), scale.view(N, -1), zero.view(N, -1))
+    return scale, (lo + 8 * scale).to(torch.bfloat16).float()
+
+
+def int4_levels(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The stored q in 0..15 (as floats) of weights w for the kernels' (q - 8) * scale + zero."""
+    return ((w - zero) / scale).round().add(8).clamp(0, 15)
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
