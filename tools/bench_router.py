@@ -2,8 +2,9 @@
 """The token router's worth, measured: KV bytes per token against quality, five KV settings in one run.
 
   python tools/bench_router.py [--model DIR] [--prompts 4] [--prompt-tokens 640] [--new-tokens 256]
+                               [--device cpu|cuda] [--dtype float32] [--only LABELS] [--tuned]
                                [--json docs/results/router-cpu-<date>.json] [--plot docs/img/router-cpu.png]
-  python tools/bench_router.py --capacity [--capacity-seqs 8] [--capacity-budget 3] [--json ...]
+  python tools/bench_router.py --capacity [--capacity-seqs 8] [--capacity-budget 3] [--device ...] [--json ...]
   python tools/bench_router.py --gpu [--shape llama-1b] [--context 4096] [--batch 16] [--json ...]
 
 Settings, all on the same model in the same run: `off` (full-precision KV), `uniform-int8` and
@@ -11,17 +12,32 @@ Settings, all on the same model in the same run: `off` (full-precision KV), `uni
 do, except that the block being filled, at most kv_block_size - 1 tokens, stays full precision),
 `router-int8` and `router-int4` (the router's defaults: threshold 0.85, 4 sink and 128 recent tokens).
 
-Quality (CPU, default): prompts are held-out documentation pages (tools/reference_corpus.py, never
+Quality (default): prompts are held-out documentation pages (tools/reference_corpus.py, never
 trained on). `off` generates --new-tokens greedy tokens from each prompt; every other setting is then
 teacher-forced along the same tokens, giving, per step, the KL divergence of its next-token
 distribution from `off`'s and whether its top-1 token agrees; and it also generates freely, giving the
-share of the 256 greedy tokens identical to `off`'s at the same position. KV bytes per token are taken
-from the router's pool shares at the end of each run, as bf16 storage would hold them (the CPU engine
-keeps float32 KV; the ratio is what matters). Needle retrieval: a pass key placed at several depths of
-filler text of several lengths, asked for at the end; and a passage copy (the model is shown a passage
-earlier and given its start at the end; the score is how many of the next 16 tokens it reproduces).
+share of the --new-tokens greedy tokens identical to `off`'s at the same position (free-running: after
+one early near-tie flip every later position can count as a miss) and the tokens until the first
+divergence (per prompt, the free-running tokens before the first that differs from `off`'s,
+--new-tokens if none; the mean over prompts), which says how early the flips come. KV bytes per
+token are taken from the router's pool shares at the end of each run, as bf16 storage would hold them
+(the engine keeps KV in --dtype; the ratio is what matters). Needle retrieval: a pass key placed at
+several depths of filler text of several lengths, asked for at the end; and a passage copy (the model
+is shown a passage earlier and given its start at the end; the score is how many of the next 16 tokens
+it reproduces).
 
-GPU (--gpu): decode tokens/s at --context tokens and --batch sequences, random weights of --shape,
+The quality and capacity modes run on --device (cpu, the default, or cuda / cuda:N) in --dtype
+(float32 by default; the logits are compared in float32 on the CPU whatever the device); the JSON
+records the device, its name (the GPU's, or the CPU model), the dtype and the torch threads. On CUDA
+the quality engines run without CUDA graphs: a captured greedy decode step launches the next step
+ahead and returns no logits (cuda_graph.py), and every compressed setting runs eager anyway. --only
+LABELS (comma-separated) limits the settings; quality always runs `off`, its reference. --floor adds
+`router-keep-all`, the router's attention path keeping every token at full precision: its distance from
+`off` is the floor set by the two attention paths (and an INT4-FFN model's activation rounding), not
+by compression. With --json, the file is rewritten after each setting (with "partial": true until the
+end), so a run cut short keeps the settings it finished.
+
+GPU speed (--gpu): decode tokens/s at --context tokens and --batch sequences, random weights of --shape,
 bf16: `off` on the CUDA-graph decode step and the compressed settings with router_cuda_graphs
 (router_graph.py: decode steps that observe no saliency in CUDA graphs; --eager adds every setting
 without graphs), with each setting's KV bytes per token and compressed share from the engine's stats.
@@ -31,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -65,11 +82,43 @@ TUNED = {
     "router-int8-tuned": dict(kv_router="int8", router_threshold=0.5, sink_tokens=4, recent_tokens=32),
     "router-int4-tuned": dict(kv_router="int4", router_threshold=0.5, sink_tokens=4, recent_tokens=32),
 }
+# --floor adds this control: the router's attention path with every token kept full precision (nothing
+# is ever compressed), so what it differs from `off` by is the path's, not compression's (a different
+# attention computation than off's; on an INT4-FFN model the FFN rounds its activations, to int8 groups
+# on the CPU and bf16 on CUDA, which turns float32 reordering noise into visible logit differences)
+FLOOR = {"router-keep-all": dict(kv_router="int8", router_threshold=1.0, sink_tokens=1 << 30, recent_tokens=1 << 30)}
 
 
 def engine(model_dir: str, label: str, device: str, dtype: str, threads: int | None, **kw) -> LLMEngine:
     cfg = O3Config(model_path=model_dir, device=device, dtype=dtype, num_threads=threads, **SETTINGS[label], **kw)
     return LLMEngine(cfg, model_dir)
+
+
+def device_info(eng: LLMEngine, threads: int | None) -> dict:
+    """Where a run ran: the engine's device and dtype, the device's name (the GPU's, or the CPU model),
+    torch's CPU threads (as requested and as set)."""
+    dev = torch.device(eng.info.device)
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as fh:
+                name = next(x.split(":", 1)[1].strip() for x in fh if x.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+    return {"device": str(dev), "device_name": name, "dtype": eng.info.dtype, "threads": threads,
+            "torch_threads": torch.get_num_threads()}
+
+
+def first_divergence(tokens: list[int], ref: list[int]) -> int:
+    """Tokens before the first one that differs from ref's at the same position (len(ref) if none)."""
+    return next((i for i, (x, y) in enumerate(zip(tokens, ref)) if x != y), len(ref))
+
+
+def labels_of(a) -> list[str]:
+    """The settings to run: --only's, or all."""
+    return a.only.split(",") if a.only else list(SETTINGS)
 
 
 def bytes_per_token(eng: LLMEngine, mode: str, full_share: float, elem: int = 2) -> float:
@@ -93,7 +142,7 @@ def run_tokens(eng: LLMEngine, prompt: list[int], new: int, forced: list[int] | 
         for i in range(new):
             runner.run([(seq, n)])
             eng.blocks.mark_computed(seq, n)
-            row = runner.last_logits[0].float().cpu()
+            row = runner.last_logits[0].to("cpu", torch.float32, copy=True)  # a buffer on some paths
             logits.append(row)
             tok = forced[i] if forced is not None else int(row.argmax())
             tokens.append(tok)
@@ -165,18 +214,35 @@ def copy_cases(filler: list[int], lengths, depths):
 
 def quality(a) -> dict:
     model_dir = resolve_model_path(a.model)
-    ref = engine(model_dir, "off", "cpu", "float32", a.threads)
+    labels = ["off"] + [x for x in labels_of(a) if x != "off"]
+    unknown = [x for x in labels if x not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown} (known: {', '.join(SETTINGS)}; --tuned adds the -tuned ones)")
+    # no CUDA graphs: a graphed greedy decode step returns no logits (it launches the next step ahead)
+    ref = engine(model_dir, "off", a.device, a.dtype, a.threads, cuda_graphs=False)
+    where = device_info(ref, a.threads)
+    print("quality on", where, flush=True)
     tok = ref.tokenizer
     prompts, filler = held_out(tok, a.prompts, a.prompt_tokens)
+    if any(len(p) != a.prompt_tokens for p in prompts):
+        raise SystemExit(f"the held-out text is too short for {a.prompts} prompts of {a.prompt_tokens} tokens")
     reference = [run_tokens(ref, p, a.new_tokens) for p in prompts]
     lengths, depths = [int(x) for x in a.needle_lengths.split(",")], [float(x) for x in a.needle_depths.split(",")]
     needles, copies = needle_cases(tok, filler, lengths, depths), copy_cases(filler, lengths, depths)
     rows = {}
-    for label in SETTINGS:
+    a_ = ref.info.args
+    model = os.path.relpath(model_dir, REPO) if model_dir.startswith(REPO) else model_dir
+    result = {"mode": f"{where['device'].split(':')[0]}-quality", "model": model, **where,
+           "model_shape": {"layers": a_.num_layers, "kv_heads": a_.num_kv_heads, "head_dim": a_.head_dim,
+                           "max_position_embeddings": a_.max_position_embeddings},
+           "prompts": a.prompts, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
+           "kv_block_size": ref.config.kv_block_size, "settings": {k: SETTINGS[k] for k in labels},
+           "results": rows}
+    for label in labels:
         t0 = time.perf_counter()
-        eng = ref if label == "off" else engine(model_dir, label, "cpu", "float32", a.threads)
+        eng = ref if label == "off" else engine(model_dir, label, a.device, a.dtype, a.threads, cuda_graphs=False)
         mode = SETTINGS[label]["kv_router"]
-        kls, agree, free_same, shares, why = [], [], [], [], []
+        kls, agree, free_same, diverge, shares, why = [], [], [], [], [], []
         for p, (ref_logits, ref_tokens, _) in zip(prompts, reference):
             logits, _, share = run_tokens(eng, p, a.new_tokens, forced=ref_tokens)
             logp_ref, logp = F.log_softmax(ref_logits, -1), F.log_softmax(logits, -1)
@@ -184,6 +250,7 @@ def quality(a) -> dict:
             agree += (logits.argmax(-1) == ref_logits.argmax(-1)).tolist()
             _, free, _ = run_tokens(eng, p, a.new_tokens)
             free_same.append(sum(x == y for x, y in zip(free, ref_tokens)) / len(ref_tokens))
+            diverge.append(first_divergence(free, ref_tokens))
             shares.append(1.0 if isinstance(share, float) else 1 - share["compressed"])
             if not isinstance(share, float):
                 why.append(share)
@@ -207,6 +274,8 @@ def quality(a) -> dict:
             "top1_agreement_forced": sum(agree) / len(agree),
             "greedy_agreement_free": sum(free_same) / len(free_same),
             "greedy_agreement_free_per_prompt": free_same,
+            "greedy_tokens_until_divergence": sum(diverge) / len(diverge),
+            "greedy_tokens_until_divergence_per_prompt": diverge,
             "needle_found": sum(n["found"] for n in needle) / len(needle), "needle": needle,
             "copy_tokens_mean": sum(c["tokens_copied"] for c in copy) / len(copy), "copy": copy,
             "blocks_by_state": {k: round(sum(w[k] for w in why) / len(why), 4) for k in why[0]} if why else None,
@@ -214,13 +283,13 @@ def quality(a) -> dict:
             "seconds": round(time.perf_counter() - t0, 1),
         }
         print(label, {k: v for k, v in rows[label].items() if not isinstance(v, list)}, flush=True)
-    a_ = ref.info.args
-    model = os.path.relpath(model_dir, REPO) if model_dir.startswith(REPO) else model_dir
-    return {"mode": "cpu-quality", "model": model,
-            "model_shape": {"layers": a_.num_layers, "kv_heads": a_.num_kv_heads, "head_dim": a_.head_dim,
-                            "max_position_embeddings": a_.max_position_embeddings},
-            "prompts": a.prompts, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
-            "kv_block_size": ref.config.kv_block_size, "settings": SETTINGS, "results": rows}
+        save(a, result, partial=True)
+        if eng is not ref:
+            del eng  # free its KV pool before the next setting's engine takes one
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return result
 
 
 def gpu(a) -> dict:
@@ -273,14 +342,15 @@ def capacity(a) -> dict:
     --capacity-budget sequences' worth of full-precision blocks. Reports the peak and mean number of
     sequences running, preemptions and engine steps, and the engine's own KV stats at the peak."""
     model_dir = resolve_model_path(a.model)
-    rows = {}
-    for label in a.only.split(",") if a.only else SETTINGS:
-        probe = engine(model_dir, "off", "cpu", "float32", a.threads)
+    rows, where = {}, None
+    for label in labels_of(a):
+        probe = engine(model_dir, "off", a.device, a.dtype, a.threads, cuda_graphs=False)
+        where = where or device_info(probe, a.threads)
         prompts, _ = held_out(probe.tokenizer, a.capacity_seqs, a.prompt_tokens)
         length = a.prompt_tokens + a.new_tokens
         blocks = int(a.capacity_budget * -(-length // probe.config.kv_block_size))
         del probe
-        eng = engine(model_dir, label, "cpu", "float32", a.threads, num_kv_blocks=blocks,
+        eng = engine(model_dir, label, a.device, a.dtype, a.threads, num_kv_blocks=blocks,
                      max_num_seqs=a.capacity_seqs)
         for i, p in enumerate(prompts):
             eng.add_request(str(i), p, SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True))
@@ -298,21 +368,43 @@ def capacity(a) -> dict:
                        "preemptions": st["preemptions"], "steps": steps, "kv_stats_at_peak": at_peak,
                        "seconds": round(time.perf_counter() - t0, 1)}
         print(label, rows[label], flush=True)
-    return {"mode": "cpu-capacity", "model": os.path.basename(model_dir), "sequences": a.capacity_seqs,
+        del eng
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {"mode": f"{where['device'].split(':')[0]}-capacity", **where,
+            "model": os.path.basename(model_dir), "sequences": a.capacity_seqs,
             "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
             "budget_sequences_full_precision": a.capacity_budget, "settings": SETTINGS, "results": rows}
 
 
+def save(a, r: dict, partial: bool = False) -> None:
+    """Write r to --json (if given) with the run's date and versions; partial: not every setting yet."""
+    if not a.json:
+        return
+    r = dict(r, date=datetime.date.today().isoformat(), machine=platform.machine(),
+             python=platform.python_version(), torch=torch.__version__)
+    if partial:
+        r["partial"] = True
+    tmp = a.json + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(r, fh, indent=1)
+    os.replace(tmp, a.json)
+
+
 def table(r: dict) -> str:
+    n = r.get("new_tokens", 256)
     lines = ["| KV setting | KV bytes/token (bf16 storage) | vs bf16 | tokens kept full precision "
-             "| mean KL vs off (nats) | top-1 agreement (teacher-forced) | greedy agreement, 256 tokens "
-             "| pass key found | passage copy (of 16) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"| mean KL vs off (nats) | top-1 agreement (teacher-forced) | greedy agreement, {n} tokens "
+             f"| greedy tokens until first divergence (of {n}) | pass key found | passage copy (of 16) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for label, x in r["results"].items():
+        until = x.get("greedy_tokens_until_divergence")  # absent from results recorded before it was added
         lines.append(f"| {label} | {x['kv_bytes_per_token_bf16']:.0f} | {x['kv_bytes_vs_bf16']:.3f} "
                      f"| {x['full_precision_token_share']:.1%} | {x['mean_kl_nats']:.5f} "
-                     f"| {x['top1_agreement_forced']:.2%} "
-                     f"| {x['greedy_agreement_free']:.2%} | {x['needle_found']:.0%} | {x['copy_tokens_mean']:.2f} |")
+                     f"| {x['top1_agreement_forced']:.2%} | {x['greedy_agreement_free']:.2%} "
+                     f"| {'n/a' if until is None else f'{until:.1f}'} "
+                     f"| {x['needle_found']:.0%} | {x['copy_tokens_mean']:.2f} |")
     return "\n".join(lines)
 
 
@@ -344,13 +436,18 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--needle-lengths", default="256,512,896")
     ap.add_argument("--needle-depths", default="0.1,0.5,0.9")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--device", default="cpu", help="quality, --capacity: cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
+                    help="quality, --capacity: the engine's dtype (weights, activations, full-precision KV)")
     ap.add_argument("--tuned", action="store_true", help="also the router with threshold 0.5 and 32 recent tokens")
-    ap.add_argument("--capacity", action="store_true", help="sequences at once in a fixed KV budget (CPU)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also router-keep-all: the router's path, nothing compressed (the path's own distance from off)")
+    ap.add_argument("--capacity", action="store_true", help="sequences at once in a fixed KV budget (on --device)")
     ap.add_argument("--capacity-seqs", type=int, default=8)
-    ap.add_argument("--only", default=None, help="--capacity, --gpu: these settings (comma-separated labels)")
+    ap.add_argument("--only", default=None, help="these settings (comma-separated labels; quality always runs off)")
     ap.add_argument("--capacity-budget", type=float, default=3.0, help="full-precision sequences the pool holds")
-    ap.add_argument("--gpu", action="store_true", help="decode speed on the GPU instead of quality on the CPU")
+    ap.add_argument("--gpu", action="store_true", help="decode speed on the GPU (random weights) instead of quality")
     ap.add_argument("--shape", default="llama-1b")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=16)
@@ -363,16 +460,14 @@ def main(argv=None):
     torch.manual_seed(0)
     if a.tuned:
         SETTINGS.update(TUNED)
+    if a.floor:
+        SETTINGS.update(FLOOR)
     r = gpu(a) if a.gpu else capacity(a) if a.capacity else quality(a)
-    r.update(date=datetime.date.today().isoformat(), machine=platform.machine(), python=platform.python_version(),
-             torch=torch.__version__)
     if not a.gpu and not a.capacity:
         print(table(r))
         if a.plot:
             plot(r, a.plot)
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(r, fh, indent=1)
+    save(a, r)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,10 @@ class DecodeGraphs:
         self.meta[:B].copy_(host[:B], non_blocking=True)
         if tokens is not None:
             self.meta[:len(batch), 0].copy_(tokens[:len(batch)])
+        return self._step(B)
+
+    def _step(self, B: int):
+        """Run the step of bucket B over the metadata in place: (logits, greedy tokens)."""
         if self.capture:
             graph, logits, out = self.graphs[B]
             graph.replay()

@@ -7,9 +7,9 @@ by more queries, are not favoured for that alone. The observed queries are the l
 tokens of a prompt (in the step that ends it) and, during decode, the token of every
 `refresh_steps`-th router step, the step that routes again. Routing runs when a prompt ends and at
 every `refresh_steps`-th step after. The refresh steps are the same for every decoding sequence (a
-count of the router's steps, not of each sequence's), so that with router_cuda_graphs only those
-steps run eager: with a count per sequence, a batch whose prompts ended in different steps had a
-sequence due almost every step, and nearly every step ran eager. With threshold 0 (every sealed
+count of the router's steps, not of each sequence's), so that with router_cuda_graphs a batch takes
+its observing graph once every `refresh_steps` steps (router_graph.py), not in whichever step one of
+its sequences happens to be due. With threshold 0 (every sealed
 block outside the sinks and the recent window is demoted: uniform compression) nothing is observed.
 
 Routing: the smallest set of tokens covering `threshold` of the total saliency is salient. A sealed
@@ -38,8 +38,8 @@ c // per_host.
 Attention over both pools: each sequence's keys are split into its full-precision positions and its
 compressed ones; each part gives a partial result and its log-sum-exp, and the two are merged. On
 CUDA a decode step's compressed part runs in kernels/quant_attention.py; everything else in torch.
-With router_cuda_graphs, decode steps that observe nothing run both pools in one kernel inside the
-CUDA-graph step instead (router_graph.py).
+With router_cuda_graphs, decode steps run both pools in one kernel inside the CUDA-graph step
+instead (router_graph.py); a refresh step's observation is that kernel's side output.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class KVRouter:
             state = self.seqs.setdefault(seq.seq_id, _SeqSaliency(self.device))
             state.grow(ctx)
             if seq.num_output_tokens > 0:  # decode: the query of the step that routes
-                observe = int(n == 1 and self._observing and self._due())
+                observe = int(n == 1 and self.observing_now())
             else:  # the last queries of the prompt, in the step that ends it
                 observe = min(n, self.cfg.obs_window) if ctx == len(seq) else 0
             dev = self.device
@@ -234,18 +234,23 @@ class KVRouter:
             row += n
         return RouterStep(self, parts)
 
+    def needs_eager(self, batch) -> bool:
+        """Whether a step over batch must run eager (router_graph.py): a prompt's step, or a sequence
+        whose books have not started."""
+        return any(self.seqs.get(seq.seq_id) is None or n != 1 or seq.num_output_tokens == 0 for seq, n in batch)
+
     def observes(self, batch) -> bool:
-        """Whether a step over batch observes attention for saliency (or starts a sequence's books):
-        such steps run eager (router_graph.py)."""
-        for seq, n in batch:
-            if self.seqs.get(seq.seq_id) is None or n != 1 or seq.num_output_tokens == 0:
-                return True
-        return self._observing and self._due()
+        """Whether a step over batch observes attention for saliency (or starts a sequence's books)."""
+        return self.needs_eager(batch) or self.observing_now()
 
     @property
-    def _observing(self) -> bool:
+    def observing(self) -> bool:
         """Whether routing needs saliency (threshold 0 demotes every eligible block without it)."""
         return self.cfg.threshold > 0
+
+    def observing_now(self) -> bool:
+        """Whether this step's decoding sequences observe (a refresh step, with saliency needed)."""
+        return self.observing and self._due()
 
     def _due(self) -> bool:
         """Whether the current step is a decode refresh step (observe, then route)."""
@@ -303,6 +308,25 @@ class KVRouter:
         if part.observe:
             self._observe(layer, part, s_full, s_comp, lse, qf, scale)
         return o.transpose(0, 1)  # [n, H, hd]
+
+    def observed_in_graph(self, rows, mass: torch.Tensor) -> None:
+        """Add a graph decode step's observation (router_graph.py) to its sequences' books: rows
+        [(seq, table indices of its full-precision blocks, of its compressed blocks)] in step order;
+        mass [len(rows), KVH, 2, P] the step's probabilities by KV head (kernels/quant_attention.py
+        router_decode_attention: full-precision keys in compacted order, then compressed ones), summed
+        over the layers. The same books as `_observe` keeps for the eager step."""
+        bs, total = self.block_size, mass.sum(1)  # [n, 2, P]
+        for b, (seq, full, comp) in enumerate(rows):
+            pos = seq.num_computed_tokens
+            n_full, n_comp = pos - len(comp) * bs + 1, len(comp) * bs  # full keys: the new token's too
+            offs = torch.arange(bs)
+            where = torch.cat(((torch.tensor(full)[:, None] * bs + offs).reshape(-1)[:n_full],
+                               (torch.tensor(comp, dtype=torch.long)[:, None] * bs + offs).reshape(-1)))
+            state = self.seqs[seq.seq_id]
+            state.grow(pos + 1)
+            state.mass.index_add_(0, where.to(self.device),
+                                  torch.cat((total[b, 0, :n_full], total[b, 1, :n_comp])).double())
+            state.count[:pos + 1] += 1.0  # one observer, who sees every position up to its own
 
     def _gather(self, layer: int, slots: torch.Tensor):
         """Compressed keys and values at slots, dequantized (int4: still in the rotated basis)."""

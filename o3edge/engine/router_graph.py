@@ -4,15 +4,23 @@ A router decode step is the plain graph step (decode_step.py) with each layer's 
 kernels/quant_attention.router_decode_attention: RoPE, the K/V write, and attention over the
 sequence's full-precision blocks and its compressed blocks, merged by log-sum-exp, all inside the
 captured graph. Its metadata rows are wider: the full-precision block table is compacted (the
-compressed blocks left out) and the compressed blocks get a table of their own. Steps that observe
-attention for saliency (every `refresh_steps`-th router step, the same for every sequence; none
-with threshold 0) need the probabilities, so they run eager (router.py), as do prefills. No step is
-launched ahead: the router's demotions change block tables between steps.
+compressed blocks left out) and the compressed blocks get a table of their own.
+
+Steps that observe attention for saliency (every `refresh_steps`-th router step, the same for every
+sequence; none with threshold 0) replay a second graph per bucket: the same step with one key split,
+whose attention kernels also add each key's probability (averaged over the heads) into a static mass
+buffer, layer after layer; after the replay the router adds those rows to each sequence's books
+(KVRouter.observed_in_graph). Prompt steps run eager. No step is launched ahead: the router's
+demotions change block tables between steps.
 """
 
 from __future__ import annotations
 
-from o3edge.engine.cuda_graph import DecodeGraphs
+import functools
+
+import torch
+
+from o3edge.engine.cuda_graph import DecodeGraphs, capture_graphs
 from o3edge.engine.decode_step import decode_forward
 
 
@@ -21,6 +29,12 @@ class RouterDecodeGraphs(DecodeGraphs):
 
     def __init__(self, runner, max_batch: int, capture: bool):
         super().__init__(runner, max_batch, capture, launch_ahead=False)
+        self.observe_graphs: dict = {}
+        self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
+        self.mass = None
+        if runner.router.observing:  # [bucket, KVH, 2, keys]: one observing step's probabilities
+            self.mass = torch.zeros(self.batch_buckets[-1], runner.args.num_kv_heads, 2,
+                                    self.max_blocks * self.block_size, dtype=torch.float32, device=runner.device)
 
     def meta_columns(self) -> int:
         """token, position, slot, full-precision keys before the token, compressed blocks, then the
@@ -28,24 +42,47 @@ class RouterDecodeGraphs(DecodeGraphs):
         return 5 + 2 * self.max_blocks
 
     def fits(self, batch) -> bool:
-        return super().fits(batch) and not self.runner.router.observes(batch)
+        return super().fits(batch) and not self.runner.router.needs_eager(batch)
 
-    def _attention(self, layer, qkv, cos, sin, meta, heads, splits, q_norm, k_norm, eps):
+    def capture_all(self) -> None:
+        super().capture_all()
+        if self.mass is not None:
+            self.observe_graphs = capture_graphs(self.batch_buckets, functools.partial(self._forward, observe=True),
+                                                 "router observing decode")
+
+    def _attention(self, layer, qkv, cos, sin, meta, heads, splits, q_norm, k_norm, eps, mass=None):
         from o3edge.engine.kernels.quant_attention import router_decode_attention
 
         r, kv = self.runner.router, self.runner.kv_cache
         return router_decode_attention(qkv, cos, sin, meta, kv[layer, 0], kv[layer, 1], r.codes[layer],
                                        r.scales[layer], r.rotation, r.cfg.mode, heads, self.block_size, splits,
-                                       q_norm, k_norm, eps)
+                                       q_norm, k_norm, eps, mass=mass)
 
-    def _forward(self, B: int):
+    def _forward(self, B: int, observe: bool = False):
         r = self.runner
-        return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, self.splits[B],
-                              self.fused, attention=self._attention)
+        attention, splits = self._attention, self.splits[B]
+        if observe:  # one key split: each program knows its rows' final log-sum-exp
+            mass = self.mass[:B]
+            mass.zero_()
+            attention, splits = functools.partial(self._attention, mass=mass), 1
+        return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, splits,
+                              self.fused, attention=attention)
+
+    def _step(self, B: int):
+        if self.rows is None:
+            return super()._step(B)
+        if self.capture:
+            graph, logits, out = self.observe_graphs[B]
+            graph.replay()
+        else:
+            logits, out = self._forward(B, observe=True)
+        self.runner.router.observed_in_graph(self.rows, self.mass[:len(self.rows)])
+        return logits, out
 
     def fill_meta(self, meta, batch, B: int, ahead: int) -> None:
         assert ahead == 0  # no launch ahead (see the module's docstring)
         bs, mb, nf = self.block_size, self.max_blocks, self.runner.router.num_full_blocks
+        self.rows = [] if self.mass is not None and self.runner.router.observing_now() else None
         for b, (seq, _) in enumerate(batch):
             pos = seq.num_computed_tokens
             table = seq.block_table[:pos // bs + 1]
@@ -54,4 +91,7 @@ class RouterDecodeGraphs(DecodeGraphs):
             meta[b, :5] = (seq.token_ids[pos], pos, table[-1] * bs + pos % bs, pos - len(comp) * bs, len(comp))
             meta[b, 5:5 + len(full)] = full
             meta[b, 5 + mb:5 + mb + len(comp)] = comp
+            if self.rows is not None:
+                self.rows.append((seq, [i for i, x in enumerate(table) if x < nf],
+                                       [i for i, x in enumerate(table) if x >= nf]))
         meta[len(batch):B, :5] = (0, 0, self.runner.scratch_slot, 0, 0)  # padding rows: scratch slot, self only

@@ -343,3 +343,47 @@ def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_decode_kernel_on_the_gpu(mode, splits, dtype):
     test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype, device="cuda")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, device="cpu"):
+    """Saliency observed inside the step (for the CUDA graph): every key's attention probability,
+    averaged over the heads, at its place in the mass rows, and over two layers they add up."""
+    from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
+
+    torch.manual_seed(9)
+    H, KVH, hd, bs, nblocks, mb = 6, 2, 64, 8, 12, 8
+    kv = (torch.randn(2, (nblocks + 1) * bs, KVH, hd) * 2).to(device, dtype)
+    rot = hadamard(hd, device=device) if mode == "int4" else None
+    codes, scales = quantize(torch.randn(2, 10 * bs, KVH, hd, device=device) * 2, mode, rot)
+    freqs = torch.arange(256)[:, None] / 10000 ** (torch.arange(0, hd, 2) / hd)
+    cos, sin = torch.cat((freqs, freqs), -1).cos().to(device), torch.cat((freqs, freqs), -1).sin().to(device)
+    rows = [(1, 37, [0, 3, 5], [2, 7, 9]), (2, 5, [4], []), (3, 40, [6], [0, 1, 3, 4, 5])]
+    meta = router_meta(rows, mb, nblocks * bs, bs).to(device)
+    P = mb * bs
+    mass = torch.zeros(3, KVH, 2, P, device=device)
+    want = torch.zeros(3, 2, P, device=device)
+    for _ in range(2):  # two layers' worth (the same inputs): the rows accumulate
+        qkv = torch.randn(3, (H + 2 * KVH) * hd, device=device).to(dtype)
+        k1, v1 = kv[0].clone(), kv[1].clone()
+        out = router_decode_attention(qkv, cos, sin, meta, k1, v1, codes, scales, rot, mode, H, bs, 1, mass=mass)
+        k2, v2 = kv[0].clone(), kv[1].clone()
+        ref = router_decode_reference(qkv, cos, sin, meta, k2, v2, codes, scales, rot, mode, H, bs, mass=want)
+    exact = dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref.float(), **(dict(atol=2e-5, rtol=1e-4) if exact else
+                                                            dict(atol=2e-2, rtol=2e-2)))
+    got = mass.sum(1)  # probabilities: half-precision scores move them by ~1e-3 (bf16: a few)
+    torch.testing.assert_close(got, want, **(dict(atol=2e-5, rtol=1e-4) if exact else
+                                             dict(atol=2e-3 if dtype == torch.float16 else 6e-3, rtol=5e-2)))
+    for b, (_, pos, _, comp) in enumerate(rows):  # each observing layer's probabilities sum to one a row
+        assert abs(float(got[b].sum()) - 2.0) < 1e-3
+        n_full = pos - len(comp) * bs
+        assert float(got[b, 0, n_full + 1:].abs().sum()) == 0 and float(got[b, 1, len(comp) * bs:].abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_decode_kernel_observes_on_the_gpu(mode, dtype):
+    test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, device="cuda")

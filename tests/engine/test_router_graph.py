@@ -40,6 +40,47 @@ def test_graph_step_equals_the_eager_router_step(tiny_dir, mode="int4"):  # int4
     assert all(any(eng.blocks.is_compressed(b) for b in s.block_table) for s in seqs)  # both pools were read
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_graph_refresh_step_observes_what_the_eager_step_observes(tiny_dir, mode):
+    """A refresh step on the graph path (its observing variant) adds the same attention mass and
+    observer counts to every sequence's books as the eager step does, and gives the same logits."""
+    routed = {**ROUTED, "router_threshold": 0.5, "router_refresh_steps": 2}
+    m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router=mode, **routed))
+    eng, runner = m.engine, m.engine.runner
+    router, graphs = runner.router, RouterDecodeGraphs(runner, 2, capture=False)
+    seqs = [Sequence(str(i), eng.encode(PROMPT + f"Module {i}?"), SamplingParams(max_new_tokens=64))
+            for i in range(2)]
+    for seq in seqs:
+        eng.blocks.allocate(seq, reuse=False)
+    batch, compared, with_compressed = [(s, len(s)) for s in seqs], 0, False
+    for _ in range(12):
+        if not router.needs_eager(batch) and router.observing_now():
+            books = [router.seqs[s.seq_id] for s in seqs]
+            ctx = [s.num_computed_tokens + 1 for s in seqs]
+            for st, n in zip(books, ctx):
+                st.grow(n)  # the new token's place, so that the snapshots line up
+            before = [(st.mass[:n].clone(), st.count[:n].clone()) for st, n in zip(books, ctx)]
+            logits, _ = graphs.run(batch)
+            graph_logits = logits.clone()
+            mid = [(st.mass[:n].clone(), st.count[:n].clone()) for st, n in zip(books, ctx)]
+            tokens = runner.run(batch)  # the eager refresh step observes (and routes) again
+            torch.testing.assert_close(graph_logits, runner.last_logits, atol=1e-4, rtol=1e-4)
+            for st, n, (m0, c0), (m1, c1) in zip(books, ctx, before, mid):
+                torch.testing.assert_close(m1 - m0, st.mass[:n] - m1, atol=1e-6, rtol=1e-4)
+                assert torch.equal(c1 - c0, st.count[:n] - c1) and float((c1 - c0).min()) == 1.0
+                assert float((m1 - m0).sum()) > 0
+            with_compressed |= any(eng.blocks.is_compressed(b) for s in seqs for b in s.block_table)
+            compared += 1
+        else:
+            tokens = runner.run(batch)
+        for (seq, n), tok in zip(batch, tokens):
+            eng.blocks.mark_computed(seq, n)
+            seq.token_ids.append(tok)
+            eng.blocks.append_slot(seq)
+        batch = [(s, 1) for s in seqs]
+    assert compared >= 4 and with_compressed  # both pools were observed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_router_decode_in_cuda_graphs_matches_eager(tiny_dir, mode):

@@ -46,10 +46,10 @@ def _rope_rows(x_ptr, rows, row_mask, d, cos, sin, HD: tl.constexpr, w_ptr, eps,
 
 
 @triton.jit
-def _attend_block(q, m, l_sum, acc, n0, end, meta, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
-                  HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
+def attend_block(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
+                 HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
     """Online softmax over keys n0 .. n0+BLOCK_N (those below end), read through the block table."""
-    offs, n_mask, s, v = paged_scores(q, n0, end, meta + 3, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
+    offs, n_mask, s, v = paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
                                       KV_BLOCK, BLOCK_N, IEEE)
     s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, BLOCK_N]
     return softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
@@ -116,13 +116,13 @@ def _decode_attention_kernel(
     if INTERPRET:  # the interpreter cannot take a tensor as a range bound; compiled code pipelines a for
         n0 = start
         while n0 < end:
-            m, l_sum, acc = _attend_block(q, m, l_sum, acc, n0, end, meta, k_cache_ptr, v_cache_ptr, stride_slot,
-                                          kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+            m, l_sum, acc = attend_block(q, m, l_sum, acc, n0, end, meta + 3, k_cache_ptr, v_cache_ptr, stride_slot,
+                                         kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            m, l_sum, acc = _attend_block(q, m, l_sum, acc, n0, end, meta, k_cache_ptr, v_cache_ptr, stride_slot,
-                                          kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+            m, l_sum, acc = attend_block(q, m, l_sum, acc, n0, end, meta + 3, k_cache_ptr, v_cache_ptr, stride_slot,
+                                         kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
     if split == 0:  # the new token attends to itself
         m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
     store_rows(acc, l_sum, m, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr, (b * H + kvh * G + g) * NUM_SPLITS

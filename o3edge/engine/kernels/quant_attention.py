@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from o3edge.engine.kernels import INTERPRET, pdl
-from o3edge.engine.kernels.decode_attention import (attend_self, head_ranges, new_token, paged_scores,
-                                                     softmax_init, softmax_step, split_range, store_rows)
+from o3edge.engine.kernels.decode_attention import (attend_block, attend_self, head_ranges, new_token,
+                                                     paged_scores, softmax_init, softmax_step, split_range,
+                                                     store_rows)
 
 
 
@@ -46,24 +47,35 @@ def _load_dequant(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stri
 
 
 @triton.jit
-def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh, d, stride_slot,
-                    stride_head, s_slot, s_head, sm_scale, HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr,
-                    CBLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
-    """Compressed blocks table[j .. j+NB) (those before j_end) in one tile of CBLOCK_N >= NB * KV_BLOCK keys.
-    Off IEEE, the dequantized keys and values meet the query and the probabilities on the tensor cores in
-    the cache's dtype, as the full-precision keys do."""
+def _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot, s_head, sm_scale,
+                   HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK_N: tl.constexpr,
+                   BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
+    """Compressed blocks table[j .. j+NB) (those before j_end) in one tile of CBLOCK_N >= NB * KV_BLOCK keys:
+    (their mask, their slots, scaled scores [rows, CBLOCK_N], -inf off the mask). Key offs of the tile is
+    the sequence's compressed key j * KV_BLOCK + offs. Off IEEE, the dequantized keys meet the query on
+    the tensor cores in the cache's dtype, as the full-precision keys do."""
     offs = tl.arange(0, CBLOCK_N)
     bi = j + offs // KV_BLOCK
     n_mask = (offs < NB * KV_BLOCK) & (bi < j_end)
     blk = tl.load(table + bi, mask=n_mask, other=0)
     slot = blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
     k = _load_dequant(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
-    v = _load_dequant(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q.to(dtype), tl.trans(k.to(dtype)))
-    s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, CBLOCK_N]
+    return n_mask, slot, tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
+
+
+@triton.jit
+def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh, d, stride_slot,
+                    stride_head, s_slot, s_head, sm_scale, HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr,
+                    CBLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
+    """The online softmax over compressed blocks table[j .. j+NB) (_cblock_scores); off IEEE the
+    probabilities meet the dequantized values on the tensor cores in the cache's dtype."""
+    n_mask, slot, s = _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot,
+                                     s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+    v = _load_dequant(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
     return softmax_step(s, v if IEEE else v.to(dtype), m, l_sum, acc, IEEE, dtype)
 
 
@@ -159,14 +171,52 @@ RMETA_KEYS, RMETA_COMP, RMETA_TABLE = 3, 4, 5
 
 
 @triton.jit
+def _add_mass(row, idx, mask, p, H: tl.constexpr):
+    """row[idx] += p summed over the GQA group's heads, / H (the mean over all heads, once every KV
+    head's program has added its share)."""
+    w = tl.sum(p, axis=0) / H
+    old = tl.load(row + idx, mask=mask, other=0.0)
+    tl.store(row + idx, old + w, mask=mask)
+
+
+@triton.jit
+def _observe(q, qf, k_new, lse, g_mask, n_full, n_comp, meta, MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot,
+             k_codes, k_scales, c_slot, c_head, s_slot, s_head, kvh, d, sm_scale, row, MASS_P,
+             H: tl.constexpr, HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+             CBLOCK_N: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
+    """Saliency observed inside the step: the attention probabilities exp(score - lse) the GQA group's
+    heads give every key, their sum / H added to the step's mass rows (row[:MASS_P]: the full-precision
+    keys in compacted order, the new token at n_full; row[MASS_P:]: the compressed keys). The scores are
+    those of the attention pass, computed again, key for key the same way."""
+    n0 = 0
+    while n0 < n_full:
+        offs, n_mask, s, _ = paged_scores(q, n0, n_full, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d,
+                                          HD, KV_BLOCK, BLOCK_N, IEEE)
+        p = tl.where(g_mask[:, None] & n_mask[None, :], tl.exp(s * sm_scale - lse[:, None]), 0.0)
+        _add_mass(row, offs, n_mask, p, H)
+        n0 += BLOCK_N
+    s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale  # as attend_self
+    one = tl.arange(0, 1)
+    p_self = tl.where(g_mask, tl.exp(s_self - lse), 0.0)
+    _add_mass(row, n_full + one, one < 1, p_self[:, None], H)
+    j = 0
+    while j < n_comp:
+        n_mask, _, s = _cblock_scores(qf, j, n_comp, meta + 5 + MAX_BLOCKS, k_codes, k_scales, kvh, d, c_slot, c_head,
+                                      s_slot, s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+        p = tl.where(g_mask[:, None] & n_mask[None, :], tl.exp(s - lse[:, None]), 0.0)
+        _add_mass(row + MASS_P, j * KV_BLOCK + tl.arange(0, CBLOCK_N), n_mask, p, H)
+        j += NB
+
+
+@triton.jit
 def _router_decode_kernel(
         qkv_ptr, stride_qkv, cos_ptr, sin_ptr, meta_ptr, stride_meta, MAX_BLOCKS,
         k_cache_ptr, v_cache_ptr, stride_slot, k_codes, v_codes, k_scales, v_scales, c_slot, c_head, s_slot, s_head,
-        rot_ptr, qn_ptr, kn_ptr, eps, out_ptr, stride_out, part_o_ptr, part_lse_ptr, sm_scale,
+        rot_ptr, qn_ptr, kn_ptr, eps, out_ptr, stride_out, part_o_ptr, part_lse_ptr, sm_scale, mass_ptr, MASS_P,
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-        PDL: tl.constexpr):
+        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
@@ -181,13 +231,16 @@ def _router_decode_kernel(
     # the full-precision keys: this split's chunk of the compacted table
     start, end = split_range(n_full, split, NUM_SPLITS, BLOCK_N)
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
-    n0 = start
-    while n0 < end:  # a while loop: the interpreter cannot take a tensor as a range bound
-        _, n_mask, s, v = paged_scores(q, n0, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
-                                       KV_BLOCK, BLOCK_N, IEEE)
-        s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
-        m, l_sum, acc = softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
-        n0 += BLOCK_N
+    if INTERPRET:  # the interpreter cannot take a tensor as a range bound; compiled code pipelines a for
+        n0 = start
+        while n0 < end:
+            m, l_sum, acc = attend_block(q, m, l_sum, acc, n0, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot,
+                                         kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m, l_sum, acc = attend_block(q, m, l_sum, acc, n0, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot,
+                                         kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
     if split == 0:  # the new token attends to itself
         m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
 
@@ -198,14 +251,22 @@ def _router_decode_kernel(
         rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
         qf = tl.dot(qf, rot, input_precision="ieee")
     per = tl.cdiv(n_comp, NUM_SPLITS)
-    j = split * per
-    j_end = tl.minimum(j + per, n_comp)
+    j_start = split * per
+    j_end = tl.minimum(j_start + per, n_comp)
     m_c, l_c, acc_c = softmax_init(G_PAD, HD_PAD)
-    while j < j_end:  # NB blocks a tile
-        m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, meta + 5 + MAX_BLOCKS, k_codes, v_codes,
-                                          k_scales, v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                          KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
-        j += NB
+    ctable = meta + 5 + MAX_BLOCKS
+    if INTERPRET:
+        j = j_start
+        while j < j_end:  # NB blocks a tile
+            m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
+                                              v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+            j += NB
+    else:
+        for j in range(j_start, j_end, NB):
+            m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
+                                              v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
     if BITS == 4:
         acc_c = tl.dot(acc_c, rot, input_precision="ieee")  # R is its own inverse
 
@@ -217,6 +278,11 @@ def _router_decode_kernel(
     w_c = tl.where(l_c > 0, tl.exp(m_c - m_safe), 0.0)
     l_all = l_sum * w_f + l_c * w_c
     acc_all = acc * w_f[:, None] + acc_c * w_c[:, None]
+    if OBSERVE:  # one split (NUM_SPLITS == 1): this program has seen every key, so the final lse is known
+        _observe(q, qf, k_new, m_safe + tl.log(tl.where(l_all > 0, l_all, 1.0)), g_mask, n_full, n_comp, meta,
+                 MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot, k_codes, k_scales, c_slot, c_head, s_slot,
+                 s_head, kvh, d, sm_scale, mass_ptr + (b * KVH + kvh) * 2 * MASS_P, MASS_P, H, HD, KV_BLOCK,
+                 BLOCK_N, CBLOCK_N, NB, BITS, IEEE, dtype)
     store_rows(acc_all, l_all, m_safe, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr,
                (b * H + kvh * G + g) * NUM_SPLITS + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
 
@@ -225,12 +291,18 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
                             k_cache: torch.Tensor, v_cache: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                             rotation: torch.Tensor | None, mode: str, num_heads: int, block_size: int,
                             num_splits: int = 1, q_norm: torch.Tensor | None = None,
-                            k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                            k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                            mass: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention (kernels/decode_attention.py) over both of the router's pools, one layer:
     qkv [B, (H + 2*KVH) * hd]; meta int32 [B, 5 + 2 * max_blocks] (the layout above); k_cache, v_cache
     [slots, KVH, hd] (written at each row's slot); codes [2, slots, KVH, cd] and scales [2, slots, KVH]
     of the layer (KVRouter.codes[layer], .scales[layer]); rotation [hd, hd] float32 for int4.
-    Returns the attention output [B, H * hd]. Static shapes: it can be captured in a CUDA graph."""
+    With mass (float32 [B, KVH, 2, P], one key split only), the step also observes saliency: each key's
+    attention probability, averaged over the heads, is added to mass[b, :, 0, i] for the i-th
+    full-precision key in compacted order (the new token at i = full keys before it) and to
+    mass[b, :, 1, i] for the i-th compressed key (summed over the KV-head axis, that is the eager
+    router's observation: router.py `_observe`). Returns the attention output [B, H * hd]. Static
+    shapes: it can be captured in a CUDA graph."""
     from o3edge.engine.kernels.decode_attention import merge_splits, split_outputs
 
     B = qkv.shape[0]
@@ -239,6 +311,8 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     max_blocks = (meta.shape[1] - 5) // 2
     out, part_o, part_lse = split_outputs(qkv, num_heads, HD, num_splits, k_cache.dtype)
     norm = q_norm is not None
+    observe = mass is not None
+    assert not observe or (num_splits == 1 and mass.shape[:3] == (B, KVH, 2) and mass.is_contiguous())
     rot = rotation if rotation is not None else cos
     on = pdl.enabled(str(qkv.device))
     # compressed keys: 64 a tile (whole blocks) where the block size is a power of 2 up to 64, else one block
@@ -249,18 +323,19 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), max_blocks, k_cache, v_cache, k_cache.stride(0),
         codes[0], codes[1], scales[0], scales[1], codes.stride(1), codes.stride(2), scales.stride(1),
         scales.stride(2), rot, q_norm if norm else cos, k_norm if norm else cos, eps, out, out.stride(0),
-        part_o, part_lse, HD ** -0.5,
+        part_o, part_lse, HD ** -0.5, mass if observe else cos, mass.shape[-1] if observe else 0,
         H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
-        PDL=on, num_warps=4, **pdl.launch_options(on))
+        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, num_warps=4, **pdl.launch_options(on))
     return merge_splits(out, part_o, part_lse, num_splits, on)
 
 
 def router_decode_reference(qkv, cos, sin, meta, k_cache, v_cache, codes, scales, rotation, mode, num_heads,
-                            block_size):
-    """Plain torch, one sequence at a time: what router_decode_attention computes (and writes)."""
+                            block_size, mass=None):
+    """Plain torch, one sequence at a time: what router_decode_attention computes (and writes); with
+    mass [B, 2, P], the observed probabilities added to it (router_decode_attention's, summed over KV heads)."""
     from o3edge.engine.kv_quant import dequantize
     from o3edge.engine.rope import apply_rope
 
@@ -288,4 +363,7 @@ def router_decode_reference(qkv, cos, sin, meta, k_cache, v_cache, codes, scales
         vv = vv.repeat_interleave(num_heads // KVH, dim=1)
         att = torch.softmax(torch.einsum("hd,shd->hs", q.float(), kk) * HD ** -0.5, dim=-1)
         outs.append(torch.einsum("hs,shd->hd", att, vv).reshape(-1).to(k_cache.dtype))
+        if mass is not None:
+            mass[b, 0, :n_full + 1] += att[:, :n_full + 1].mean(0)
+            mass[b, 1, :n_comp * block_size] += att[:, n_full + 1:].mean(0)
     return torch.stack(outs)

@@ -1,0 +1,38 @@
+"""tools/bench_router.py's helpers: the divergence figure, the table, where a run ran."""
+
+import os
+import sys
+from types import SimpleNamespace
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+import bench_router  # noqa: E402
+
+
+def test_first_divergence():
+    assert bench_router.first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert bench_router.first_divergence([1, 9, 3], [1, 2, 3]) == 1
+    assert bench_router.first_divergence([9, 2, 3], [1, 2, 3]) == 0
+
+
+def _row(until=None):
+    x = {"kv_bytes_per_token_bf16": 4096.0, "kv_bytes_vs_bf16": 1.0, "full_precision_token_share": 1.0,
+         "mean_kl_nats": 0.0, "top1_agreement_forced": 1.0, "greedy_agreement_free": 0.5,
+         "needle_found": 1.0, "copy_tokens_mean": 2.0}
+    if until is not None:
+        x["greedy_tokens_until_divergence"] = until
+    return x
+
+
+def test_table_has_the_divergence_column():
+    lines = bench_router.table({"new_tokens": 64, "results": {"off": _row(64.0), "old": _row()}}).splitlines()
+    assert "greedy tokens until first divergence (of 64)" in lines[0]
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == lines[3].count("|")
+    assert "| 64.0 |" in lines[2] and "| n/a |" in lines[3]  # results recorded before the figure existed
+
+
+def test_device_info_on_cpu():
+    eng = SimpleNamespace(info=SimpleNamespace(device="cpu", dtype="float32"))
+    w = bench_router.device_info(eng, 1)
+    assert w["device"] == "cpu" and w["dtype"] == "float32" and w["threads"] == 1 and w["device_name"]
