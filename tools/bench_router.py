@@ -39,8 +39,11 @@ end), so a run cut short keeps the settings it finished.
 
 GPU speed (--gpu): decode tokens/s at --context tokens and --batch sequences, random weights of --shape,
 bf16: `off` on the CUDA-graph decode step and the compressed settings with router_cuda_graphs
-(router_graph.py: decode steps that observe no saliency in CUDA graphs; --eager adds every setting
-without graphs), with each setting's KV bytes per token and compressed share from the engine's stats.
+(router_graph.py: every decode step in CUDA graphs, refresh steps in their observing graphs; --eager
+adds every setting without graphs), with each setting's KV bytes per token and compressed share from
+the engine's stats, and the wall time of each engine step (percentiles, and the sum of the slowest
+sixteenth: the refresh steps, one in 16 by default). --floor adds `router-unobserved` there: the
+router's step with nothing compressed and nothing observed.
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ TUNED = {
 # attention computation than off's; on an INT4-FFN model the FFN rounds its activations, to int8 groups
 # on the CPU and bf16 on CUDA, which turns float32 reordering noise into visible logit differences)
 FLOOR = {"router-keep-all": dict(kv_router="int8", router_threshold=1.0, sink_tokens=1 << 30, recent_tokens=1 << 30)}
+# and, for --gpu, the router's decode step alone: nothing compressed and nothing observed (threshold 0)
+FLOOR_GPU = {"router-unobserved": dict(kv_router="int8", router_threshold=0.0, sink_tokens=1 << 30, recent_tokens=0)}
 
 
 def engine(model_dir: str, label: str, device: str, dtype: str, threads: int | None, **kw) -> LLMEngine:
@@ -301,7 +306,9 @@ def gpu(a) -> dict:
     if not os.path.exists(os.path.join(path, "config.json")):
         make_checkpoint(path, **SHAPES[a.shape])
     rows = {}
-    budget = a.batch * (a.context + a.steps + 64) // 32 + 8  # blocks for the batch (plus room)
+    # blocks for the whole batch at full precision, plus a tenth: the router's scale tables come out of
+    # the same budget, and a setting that demotes nothing (random weights) must not preempt either
+    budget = (a.batch * (a.context + a.steps + 64) // 32 + 8) * 11 // 10
     labels = [x for x in (a.only.split(",") if a.only else SETTINGS) if x != "off"]
     runs = [("off (CUDA graphs)", "off", True)]
     runs += [(f"{label} (CUDA graphs)", label, True) for label in labels]
@@ -319,16 +326,22 @@ def gpu(a) -> dict:
         while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
             eng.step()  # prefill everything (the first tokens)
         torch.cuda.synchronize()
-        t0, n = time.perf_counter(), 0
+        t0, n, steps = time.perf_counter(), 0, []
         while eng.has_unfinished_requests():
-            _, rep = eng.step()
+            t = time.perf_counter()
+            _, rep = eng.step()  # returns its tokens to the host: each step ends synchronized
+            steps.append((time.perf_counter() - t) * 1e3)
             n += sum(generated for _, generated in rep.tokens.values()) if rep else 0
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         st = eng.stats()
+        q = torch.tensor(steps).quantile(torch.tensor([0.5, 0.9, 0.99])).tolist()
         rows[name] = {"decode_tokens_per_s": round(n / dt, 1), "decode_tokens": n,
                       "kv_bytes_per_token": st.get("kv_bytes_per_token"),
-                      "compressed_share": st.get("kv_tokens_compressed_share", 0.0)}
+                      "compressed_share": st.get("kv_tokens_compressed_share", 0.0),
+                      "preemptions": st.get("preemptions"), "steps": len(steps), "step_ms_p50": round(q[0], 3), "step_ms_p90": round(q[1], 3),
+                      "step_ms_p99": round(q[2], 3), "step_ms_max": round(max(steps), 3),
+                      "step_ms_sum_top_16th": round(sum(sorted(steps)[-max(1, len(steps) // 16):]), 2)}
         print(name, rows[name], flush=True)
         del eng
         torch.cuda.empty_cache()
@@ -462,6 +475,8 @@ def main(argv=None):
         SETTINGS.update(TUNED)
     if a.floor:
         SETTINGS.update(FLOOR)
+        if a.gpu:
+            SETTINGS.update(FLOOR_GPU)
     r = gpu(a) if a.gpu else capacity(a) if a.capacity else quality(a)
     if not a.gpu and not a.capacity:
         print(table(r))

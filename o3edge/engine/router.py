@@ -63,33 +63,48 @@ class RouterConfig:
     obs_window: int = 32  # prompt queries observed at prefill
 
 
+def salient_rows(rows: list[torch.Tensor], threshold: float) -> torch.Tensor:
+    """Bool [len(rows), longest] (False past a row's end): for each row of saliency, the smallest set of
+    its positions covering `threshold` of its total (ties broken by position, so the choice is
+    deterministic). All rows at once, on their device: one sort for every sequence a step routes."""
+    n = max(r.numel() for r in rows)
+    sal = rows[0].new_zeros(len(rows), n)
+    for i, r in enumerate(rows):
+        sal[i, :r.numel()] = r
+    if threshold <= 0:
+        return torch.zeros(sal.shape, dtype=torch.bool, device=sal.device)
+    vals, order = torch.sort(sal, dim=1, descending=True, stable=True)  # padding (0) sorts after a row's own
+    covered = torch.cumsum(vals, 1)
+    total = covered[:, -1:]
+    count = (covered < threshold * total).sum(1, keepdim=True) + 1  # the first prefix reaching the threshold
+    ranks = torch.arange(n, device=sal.device)[None, :]
+    pick = (ranks < count) & (total > 0)
+    return torch.zeros_like(pick).scatter_(1, order, pick)
+
+
 def salient_positions(saliency: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Bool [n]: the smallest set of positions whose saliency covers `threshold` of the total
-    (ties broken by position, so the choice is deterministic)."""
-    n = saliency.numel()
-    keep = torch.zeros(n, dtype=torch.bool)
-    total = float(saliency.sum())
-    if threshold <= 0 or total <= 0:
-        return keep
-    order = torch.sort(saliency, descending=True, stable=True).indices
-    covered = torch.cumsum(saliency[order], 0)
-    count = int(torch.searchsorted(covered, torch.tensor(threshold * total, dtype=covered.dtype))) + 1
-    keep[order[:min(count, n)]] = True
-    return keep
+    """Bool [n]: salient_rows for one sequence."""
+    return salient_rows([saliency], threshold)[0]
 
 
-def blocks_to_demote(saliency: torch.Tensor, ctx: int, block_size: int, cfg: RouterConfig,
+def holding_blocks(rows: list[torch.Tensor], threshold: float, block_size: int) -> list[list[bool]]:
+    """For each row of saliency (a sequence's positions 0 .. ctx-1), whether each of its sealed blocks
+    holds a salient token: one copy to the host for every row."""
+    keep = salient_rows(rows, threshold)
+    sealed = keep.shape[1] // block_size
+    holds = keep[:, :sealed * block_size].reshape(len(rows), sealed, block_size).any(2).tolist()
+    return [h[:r.numel() // block_size] for h, r in zip(holds, rows)]
+
+
+def blocks_to_demote(holds: list[bool], ctx: int, block_size: int, cfg: RouterConfig,
                      demoted: list[bool]) -> list[int]:
-    """Indices (in the sequence's block table) of sealed blocks to demote now; `demoted[i]` says
-    whether table entry i already is. saliency: [ctx] for positions 0 .. ctx-1."""
-    keep = salient_positions(saliency[:ctx], cfg.threshold)
-    sealed = ctx // block_size
+    """Indices (in the sequence's block table) of sealed blocks to demote now: those that hold no salient
+    token (holds[i], from holding_blocks), no attention sink and no token of the recent window, and are
+    not demoted already (`demoted[i]`)."""
     out = []
-    for i in range(sealed):
+    for i in range(ctx // block_size):
         lo, hi = i * block_size, (i + 1) * block_size
-        if demoted[i] or lo < cfg.sink_tokens or hi > ctx - cfg.recent_tokens:
-            continue
-        if not bool(keep[lo:hi].any()):
+        if not (demoted[i] or holds[i] or lo < cfg.sink_tokens or hi > ctx - cfg.recent_tokens):
             out.append(i)
     return out
 
@@ -109,8 +124,8 @@ class _SeqSaliency:
             self.count = torch.cat((self.count, torch.zeros(extra, dtype=torch.float64)))
 
     def saliency(self, ctx: int) -> torch.Tensor:
-        """[ctx] on the CPU (one copy from the device, when routing)."""
-        return self.mass[:ctx].cpu() / self.count[:ctx].clamp_min(1.0)
+        """[ctx] on the mass's device (the counts copied there, when routing)."""
+        return self.mass[:ctx] / self.count[:ctx].to(self.mass.device).clamp_min(1.0)
 
 
 @dataclass
@@ -252,15 +267,22 @@ class KVRouter:
         """Whether this step's decoding sequences observe (a refresh step, with saliency needed)."""
         return self.observing and self._due()
 
-    def _due(self) -> bool:
-        """Whether the current step is a decode refresh step (observe, then route)."""
-        return (self.step_no + 1) % self.cfg.refresh_steps == 0
+    def _due(self, ahead: int = 0) -> bool:
+        """Whether the current step (ahead: the one that many after it) is a decode refresh step
+        (observe, then route)."""
+        return (self.step_no + 1 + ahead) % self.cfg.refresh_steps == 0
+
+    def may_queue_next(self) -> bool:
+        """Whether the graph path may launch the next step before this one's books are done: not after
+        a refresh step (its routing may demote blocks), and not when the next one observes."""
+        return not self._due() and not (self.observing and self._due(1))
 
     def end_step(self, batch) -> None:
         """Route the sequences whose prompt just ended, and the decoding ones due for a refresh: plan
         the demotions, which RouterBlocks.mark_computed carries out."""
         due = self._due()
         self.step_no += 1
+        routed = []
         for seq, n in batch:
             ctx = seq.num_computed_tokens + n
             if ctx < len(seq):
@@ -269,9 +291,14 @@ class KVRouter:
             if seq.num_output_tokens > 0 and not due:
                 continue
             state.grow(ctx)
+            routed.append((seq, ctx, state.saliency(ctx)))
+        if not routed:
+            return
+        holds = holding_blocks([sal for _, _, sal in routed], self.cfg.threshold, self.block_size)
+        for (seq, ctx, _), held in zip(routed, holds):
             table = seq.block_table
             flags = [self.is_compressed(b) for b in table[:ctx // self.block_size]]
-            plan = blocks_to_demote(state.saliency(ctx), ctx, self.block_size, self.cfg, flags)
+            plan = blocks_to_demote(held, ctx, self.block_size, self.cfg, flags)
             if plan:
                 self.plans[seq.seq_id] = [(i, table[i]) for i in plan]
 

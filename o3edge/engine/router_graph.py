@@ -10,8 +10,12 @@ Steps that observe attention for saliency (every `refresh_steps`-th router step,
 sequence; none with threshold 0) replay a second graph per bucket: the same step with one key split,
 whose attention kernels also add each key's probability (averaged over the heads) into a static mass
 buffer, layer after layer; after the replay the router adds those rows to each sequence's books
-(KVRouter.observed_in_graph). Prompt steps run eager. No step is launched ahead: the router's
-demotions change block tables between steps.
+(KVRouter.observed_in_graph). Prompt steps run eager.
+
+Steps are launched ahead as on the plain graph path (cuda_graph.py: the host's work for step n hides
+under the GPU's for step n+1), except around refresh steps: routing after a refresh step changes block
+tables (demotions), so nothing is queued after one, and a refresh step that observes is never the one
+queued (its books are kept after its replay).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from o3edge.engine.decode_step import decode_forward
 class RouterDecodeGraphs(DecodeGraphs):
     """DecodeGraphs for a router-on runner (runner.router is the KVRouter)."""
 
-    def __init__(self, runner, max_batch: int, capture: bool):
-        super().__init__(runner, max_batch, capture, launch_ahead=False)
+    def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
+        super().__init__(runner, max_batch, capture, launch_ahead)
         self.observe_graphs: dict = {}
         self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
         self.mass = None
@@ -43,6 +47,9 @@ class RouterDecodeGraphs(DecodeGraphs):
 
     def fits(self, batch) -> bool:
         return super().fits(batch) and not self.runner.router.needs_eager(batch)
+
+    def _continues(self, batch) -> bool:
+        return super()._continues(batch) and self.runner.router.may_queue_next()
 
     def capture_all(self) -> None:
         super().capture_all()
@@ -80,15 +87,16 @@ class RouterDecodeGraphs(DecodeGraphs):
         return logits, out
 
     def fill_meta(self, meta, batch, B: int, ahead: int) -> None:
-        assert ahead == 0  # no launch ahead (see the module's docstring)
         bs, mb, nf = self.block_size, self.max_blocks, self.runner.router.num_full_blocks
-        self.rows = [] if self.mass is not None and self.runner.router.observing_now() else None
+        # a queued step never observes (RouterDecodeGraphs._continues)
+        self.rows = [] if not ahead and self.mass is not None and self.runner.router.observing_now() else None
         for b, (seq, _) in enumerate(batch):
-            pos = seq.num_computed_tokens
+            pos = seq.num_computed_tokens + ahead
             table = seq.block_table[:pos // bs + 1]
             full = [x for x in table if x < nf]
             comp = [x - nf for x in table if x >= nf]
-            meta[b, :5] = (seq.token_ids[pos], pos, table[-1] * bs + pos % bs, pos - len(comp) * bs, len(comp))
+            token = 0 if ahead else seq.token_ids[pos]  # a queued step's tokens are copied on the device
+            meta[b, :5] = (token, pos, table[-1] * bs + pos % bs, pos - len(comp) * bs, len(comp))
             meta[b, 5:5 + len(full)] = full
             meta[b, 5 + mb:5 + mb + len(comp)] = comp
             if self.rows is not None:

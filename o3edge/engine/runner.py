@@ -115,6 +115,8 @@ class ModelRunner:
             logits, picked = self.graphs.run(batch, greedy_only)  # router_graph.py: both pools in the graph
             self.router.end_step(batch)
         elif self.router is not None:
+            if self.graphs is not None:
+                self.graphs.drop_ahead()
             input_ids, positions, step = self.prepare(batch)
             step.router = self.router.begin_step(batch)
             ready()

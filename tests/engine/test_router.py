@@ -6,7 +6,8 @@ import torch
 from o3edge import O3Config, O3Model
 from o3edge.engine.kernels.quant_attention import quant_attention_partial, quant_attention_reference
 from o3edge.engine.kv_quant import dequantize, hadamard, quantize
-from o3edge.engine.router import KVRouter, RouterConfig, blocks_to_demote, salient_positions
+from o3edge.engine.router import (KVRouter, RouterConfig, blocks_to_demote, holding_blocks, salient_positions,
+                                  salient_rows)
 from o3edge.engine.sequence import SamplingParams, Sequence
 from o3edge.errors import ConfigError
 
@@ -62,12 +63,29 @@ def test_salient_set_is_the_smallest_covering_the_threshold():
     assert not salient_positions(s, 0.0).any()
 
 
+def test_rows_routed_together_choose_what_each_alone_would():
+    """A step routes all its due sequences in one sort: rows of different lengths (zero padding) get
+    the same salient sets, and the same blocks holding one, as each routed alone."""
+    torch.manual_seed(3)
+    rows = [torch.rand(n, dtype=torch.float64) ** 6 for n in (40, 97, 64, 8)]
+    rows.append(torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5], dtype=torch.float64))  # ties at 0
+    together = salient_rows(rows, 0.85)
+    for i, r in enumerate(rows):
+        alone = salient_rows([r], 0.85)[0]
+        assert torch.equal(together[i, :r.numel()], alone) and not together[i, r.numel():].any()
+        covered = float(r[alone].sum())
+        assert covered >= 0.85 * float(r.sum()) - 1e-12  # covers the threshold...
+        assert covered - float(r[alone].min()) < 0.85 * float(r.sum())  # ...and no smaller set does
+    assert holding_blocks(rows, 0.85, 8) == [holding_blocks([r], 0.85, 8)[0] for r in rows]
+    assert [len(h) for h in holding_blocks(rows, 0.85, 8)] == [5, 12, 8, 1, 1]
+
+
 def test_sinks_and_recent_window_are_never_demoted():
     torch.manual_seed(2)
     cfg = RouterConfig("int8", threshold=0.5, sink_tokens=5, recent_tokens=20)
     for ctx in (40, 57, 64, 100):
         s = torch.rand(ctx, dtype=torch.float64) ** 8  # a few salient tokens
-        out = blocks_to_demote(s, ctx, 8, cfg, [False] * (ctx // 8))
+        out = blocks_to_demote(holding_blocks([s], 0.5, 8)[0], ctx, 8, cfg, [False] * (ctx // 8))
         assert out  # the policy does demote
         for i in out:
             assert i * 8 >= 5 and (i + 1) * 8 <= ctx - 20 and (i + 1) * 8 <= ctx

@@ -81,6 +81,26 @@ def test_graph_refresh_step_observes_what_the_eager_step_observes(tiny_dir, mode
     assert compared >= 4 and with_compressed  # both pools were observed
 
 
+def test_steps_launched_ahead_give_the_same_tokens_and_skip_refresh_steps(tiny_dir):
+    """With launch ahead, the graph path queues step n+1 while the host finishes step n, except after
+    a refresh step (its routing demotes blocks) and before an observing one: the tokens are those of
+    the same path without it, blocks are demoted on the way, and queued steps were taken."""
+    routed = {**ROUTED, "router_threshold": 0.5, "router_refresh_steps": 4}
+    outs = []
+    for ahead in (False, True):
+        m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router="int8", **routed))
+        runner = m.engine.runner
+        runner.graphs = RouterDecodeGraphs(runner, 4, capture=False, launch_ahead=ahead)
+        ids = [m.engine.encode(PROMPT + f"What is module {i}?") for i in range(3)]
+        outs.append([r.token_ids for r in m.generate_batch(ids, SamplingParams(max_new_tokens=24, ignore_eos=True))])
+        assert m.engine.blocks.num_demoted > 0 and runner.graphs.num_steps > 15
+        taken, steps = runner.graphs.num_ahead_taken, runner.graphs.num_steps
+        print(f"launch ahead {ahead}: {taken} of {steps} graph steps taken from the queue")
+        # of every 4 steps two are queued: not the refresh step (observing), nor the one after it (routed)
+        assert (steps // 2 - 4 <= taken <= steps // 2 + 1) if ahead else taken == 0
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_router_decode_in_cuda_graphs_matches_eager(tiny_dir, mode):

@@ -246,10 +246,11 @@ def _router_decode_kernel(
 
     # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
     qf = q.to(tl.float32)
+    rmask = (d < HD)[:, None] & (d < HD)[None, :]
     if BITS == 4:
-        rmask = (d < HD)[:, None] & (d < HD)[None, :]
-        rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
-        qf = tl.dot(qf, rot, input_precision="ieee")
+        if n_comp > 0:  # each rotation is a float32 dot: none for a row with nothing compressed
+            rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
+            qf = tl.dot(qf, rot, input_precision="ieee")
     per = tl.cdiv(n_comp, NUM_SPLITS)
     j_start = split * per
     j_end = tl.minimum(j_start + per, n_comp)
@@ -268,7 +269,9 @@ def _router_decode_kernel(
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
                                               KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
     if BITS == 4:
-        acc_c = tl.dot(acc_c, rot, input_precision="ieee")  # R is its own inverse
+        if n_comp > 0:
+            rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
+            acc_c = tl.dot(acc_c, rot, input_precision="ieee")  # R is its own inverse
 
     # merge the two pools: one (output, log-sum-exp) per row
     m_all = tl.maximum(m, m_c)
@@ -328,7 +331,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
-        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, num_warps=4, **pdl.launch_options(on))
+        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, num_warps=4, num_stages=2, **pdl.launch_options(on))
     return merge_splits(out, part_o, part_lse, num_splits, on)
 
 

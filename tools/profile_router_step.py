@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Where a token-router decode step's time goes on the GPU: graph replay, the observation's books,
+routing, and the rest of the engine step, for refresh steps and ordinary ones.
+
+  python tools/profile_router_step.py [--setting router-int8] [--shape llama-1b] [--context 4096]
+                                      [--batch 16] [--steps 128] [--json OUT]
+
+Same engine and prompts as `tools/bench_router.py --gpu`. Each part is wrapped with a timer that
+synchronizes the device before and after it, so the parts do not overlap as they do in a normal run
+(launch ahead is off here): the figures say what each part costs, not what a step costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TOOLS)
+
+import bench_router  # noqa: E402
+
+from o3edge.engine.router import KVRouter  # noqa: E402
+from o3edge.engine.router_graph import RouterDecodeGraphs  # noqa: E402
+from o3edge.engine.sequence import SamplingParams  # noqa: E402
+
+TIMES: dict[str, list[float]] = collections.defaultdict(list)
+
+
+def timed(cls, name: str, label: str) -> None:
+    """Wrap cls.name with a synchronizing timer recorded under label."""
+    fn = getattr(cls, name)
+
+    def wrapper(self, *args, **kw):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn(self, *args, **kw)
+        torch.cuda.synchronize()
+        TIMES[label].append((time.perf_counter() - t) * 1e3)
+        return out
+
+    setattr(cls, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setting", default="router-int8")
+    ap.add_argument("--shape", default="llama-1b")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--workdir", default="/tmp/o3edge-bench-router")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    from make_tiny_model import SHAPES
+
+    from o3edge.tiny import make_checkpoint
+
+    path = os.path.join(a.workdir, a.shape)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_checkpoint(path, **SHAPES[a.shape])
+    bench_router.SETTINGS.update(bench_router.FLOOR_GPU)
+    budget = (a.batch * (a.context + a.steps + 64) // 32 + 8) * 11 // 10
+    eng = bench_router.engine(path, a.setting, "cuda", "bfloat16", None, cuda_graphs=True, router_cuda_graphs=True,
+                              num_kv_blocks=budget, max_num_seqs=a.batch,
+                              max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
+    eng.runner.graphs.launch_ahead = False
+    g = torch.Generator().manual_seed(0)
+    for i in range(a.batch):
+        ids = torch.randint(1, eng.info.args.vocab_size, (a.context,), generator=g).tolist()
+        eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
+    while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    timed(RouterDecodeGraphs, "_step", "graph step (replay)")
+    timed(KVRouter, "observed_in_graph", "observation's books")
+    timed(KVRouter, "end_step", "routing (end_step)")
+    steps = []
+    while eng.has_unfinished_requests():
+        refresh = eng.runner.router.observing_now()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        steps.append(((time.perf_counter() - t) * 1e3, refresh))
+    # the parts come in step order: observation books only on refresh steps
+    kinds = [r for _, r in steps]
+    out = {"setting": a.setting, "shape": a.shape, "context": a.context, "batch": a.batch,
+           "device": torch.cuda.get_device_name(), "parts_ms": {}}
+    for label, xs in TIMES.items():
+        if label == "observation's books":
+            out["parts_ms"][label] = {"refresh": round(statistics.median(xs), 3), "n": len(xs)}
+            continue
+        ref = [x for x, k in zip(xs, kinds) if k]
+        other = [x for x, k in zip(xs, kinds) if not k]
+        out["parts_ms"][label] = {"refresh": round(statistics.median(ref), 3) if ref else None,
+                                  "other": round(statistics.median(other), 3) if other else None, "n": len(xs)}
+    out["engine_step_ms"] = {"refresh": round(statistics.median([x for x, k in steps if k]), 3),
+                             "other": round(statistics.median([x for x, k in steps if not k]), 3),
+                             "refresh_steps": sum(kinds), "steps": len(steps)}
+    print(json.dumps(out, indent=1))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
