@@ -63,6 +63,7 @@ from o3edge import O3Config  # noqa: E402
 from o3edge.engine.block_manager import chain_hash  # noqa: E402
 from o3edge.engine.engine import LLMEngine  # noqa: E402
 from o3edge.engine.sequence import SamplingParams  # noqa: E402
+from machine_info import cpu_name  # noqa: E402
 
 ONE = SamplingParams(max_new_tokens=1, ignore_eos=True)
 SUFFIX = 16
@@ -267,11 +268,7 @@ def plot(results: list[dict], path: str) -> None:
 def machine(device: torch.device) -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
-    try:
-        with open("/proc/cpuinfo") as fh:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    info["cpu"] = cpu_name()
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

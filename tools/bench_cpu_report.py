@@ -17,6 +17,8 @@ import os
 import platform
 import statistics
 
+from machine_info import cpu_name  # tools/, this script's own folder
+
 ORDER = ["llama.cpp Q4_0", "llama.cpp Q8_0", "o3edge cpu-int8", "o3edge cpu-int8 compiled", "o3edge cpu-int4",
          "o3edge cpu-int4-all", "o3edge fp32"]
 
@@ -38,7 +40,7 @@ def cell(results: list[dict], key: str) -> tuple[float, float, float]:
 
 
 def machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_name()
     flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
     isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16") if f" {f}" in flags]
     mem = int(next(ln for ln in open("/proc/meminfo") if ln.startswith("MemTotal")).split()[1]) / 2**20

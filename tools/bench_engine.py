@@ -25,6 +25,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from machine_info import cpu_name  # noqa: E402 (tools/, this script's own folder)
+
 PROMPT_LEN = 128
 # name -> (source: ckpt|engine, dtype, int4 group or None)
 VARIANTS = {
@@ -163,8 +165,7 @@ def machine(device: str) -> str:
 
     if device.startswith("cuda"):
         return f"{torch.cuda.get_device_name()}"
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return f"{cpu}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
+    return f"{cpu_name()}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
 
 
 # ---- cold start --------------------------------------------------------------------------------

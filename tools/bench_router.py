@@ -71,6 +71,7 @@ from o3edge.engine.engine import LLMEngine  # noqa: E402
 from o3edge.engine.kv_quant import bytes_per_vector  # noqa: E402
 from o3edge.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from o3edge.model_path import resolve_model_path  # noqa: E402
+from machine_info import cpu_name  # noqa: E402
 
 # label -> engine settings
 SETTINGS = {
@@ -106,12 +107,7 @@ def device_info(eng: LLMEngine, threads: int | None) -> dict:
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
     else:
-        name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as fh:
-                name = next(x.split(":", 1)[1].strip() for x in fh if x.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
+        name = cpu_name()
     return {"device": str(dev), "device_name": name, "dtype": eng.info.dtype, "threads": threads,
             "torch_threads": torch.get_num_threads()}
 

@@ -33,6 +33,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, TOOLS)
 
 import reference_corpus  # noqa: E402
+from machine_info import cpu_name  # noqa: E402
 from o3edge.config import O3Config  # noqa: E402
 from o3edge.engine.engine import LLMEngine  # noqa: E402
 from o3edge.model_path import resolve_model_path  # noqa: E402
@@ -137,13 +138,7 @@ def evaluate(model_dir: str, wins: list[list[int]], window: int, with_hf: bool =
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"
+    return f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def table(rows: list, max_diff: float | None, meta: dict) -> str:

@@ -13,6 +13,16 @@ PROMPT = "You are a careful assistant who answers questions about the Python sta
 ROUTED = dict(kv_block_size=8, sink_tokens=4, recent_tokens=16, router_refresh_steps=4, router_threshold=0.0)
 
 
+def advance(eng, batch, tokens):
+    """What the engine does after a step: mark its tokens computed, append the sampled ones; the next
+    batch (every sequence decoding)."""
+    for (seq, n), tok in zip(batch, tokens):
+        eng.blocks.mark_computed(seq, n)
+        seq.token_ids.append(tok)
+        eng.blocks.append_slot(seq)
+    return [(seq, 1) for seq, _ in batch]
+
+
 def test_graph_step_equals_the_eager_router_step(tiny_dir, mode="int4"):  # int4: the rotations too
     m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router=mode, **ROUTED))
     eng, runner = m.engine, m.engine.runner
@@ -31,11 +41,7 @@ def test_graph_step_equals_the_eager_router_step(tiny_dir, mode="int4"):  # int4
             compared += 1
         else:
             tokens = runner.run(batch)
-        for (seq, n), tok in zip(batch, tokens):
-            eng.blocks.mark_computed(seq, n)
-            seq.token_ids.append(tok)
-            eng.blocks.append_slot(seq)
-        batch = [(s, 1) for s in seqs]
+        batch = advance(eng, batch, tokens)
     assert compared >= 5
     assert all(any(eng.blocks.is_compressed(b) for b in s.block_table) for s in seqs)  # both pools were read
 
@@ -73,11 +79,7 @@ def test_graph_refresh_step_observes_what_the_eager_step_observes(tiny_dir, mode
             compared += 1
         else:
             tokens = runner.run(batch)
-        for (seq, n), tok in zip(batch, tokens):
-            eng.blocks.mark_computed(seq, n)
-            seq.token_ids.append(tok)
-            eng.blocks.append_slot(seq)
-        batch = [(s, 1) for s in seqs]
+        batch = advance(eng, batch, tokens)
     assert compared >= 4 and with_compressed  # both pools were observed
 
 
