@@ -405,3 +405,25 @@ def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_decode_kernel_observes_on_the_gpu(mode, dtype):
     test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, device="cuda")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_folded_scales_attend_and_observe_as_dequantized_codes_do(mode, splits, monkeypatch, device="cpu",
+                                                                   dtype=torch.float16):
+    """O3EDGE_KV_FOLD=1: the codes meet the query and the probabilities as they are, the scales applied to
+    the scores and the probabilities: the same attention and the same observed mass."""
+    from o3edge.engine.kernels.quant_attention import fold_scales
+
+    monkeypatch.setenv("O3EDGE_KV_FOLD", "1")
+    assert fold_scales()
+    test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype, device=device)
+    if splits == 1:
+        test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, device=device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_folded_scales_on_the_gpu(mode, splits, monkeypatch):
+    test_folded_scales_attend_and_observe_as_dequantized_codes_do(mode, splits, monkeypatch, "cuda", torch.bfloat16)

@@ -13,6 +13,8 @@ for one layer: codes [2 (K/V), slots, KVH, code_dim], scales [2, slots, KVH] flo
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,16 @@ from o3edge.engine.kernels.decode_attention import (attend_block, attend_self, h
 def _load_dequant(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head,
                   HD: tl.constexpr, BITS: tl.constexpr):
     """[BLOCK_N, HD_PAD] float32 vectors of the given slots (rows outside n_mask: 0)."""
+    q, s = _load_codes(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD,
+                       BITS)
+    return q * s[:, None]
+
+
+@triton.jit
+def _load_codes(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head,
+                HD: tl.constexpr, BITS: tl.constexpr):
+    """The codes of the given slots as float32 [BLOCK_N, HD_PAD] (integers: exact in half precision too)
+    and their scales [BLOCK_N] (rows outside n_mask: 0)."""
     mask = n_mask[:, None] & (d < HD)[None, :]
     base = slot[:, None] * stride_slot + kvh * stride_head
     if BITS == 8:
@@ -43,38 +55,56 @@ def _load_dequant(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stri
         nib = (byte >> ((d % 2) * 4)[None, :]) & 0xF
         q = tl.where(nib > 7, nib - 16, nib).to(tl.float32)
     s = tl.load(scales_ptr + slot * s_slot + kvh * s_head, mask=n_mask, other=0.0).to(tl.float32)
-    return q * s[:, None]
+    return q, s
 
 
 @triton.jit
 def _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot, s_head, sm_scale,
                    HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK_N: tl.constexpr,
-                   BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
+                   BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr, FOLD: tl.constexpr = False):
     """Compressed blocks table[j .. j+NB) (those before j_end) in one tile of CBLOCK_N >= NB * KV_BLOCK keys:
     (their mask, their slots, scaled scores [rows, CBLOCK_N], -inf off the mask). Key offs of the tile is
     the sequence's compressed key j * KV_BLOCK + offs. Off IEEE, the dequantized keys meet the query on
-    the tensor cores in the cache's dtype, as the full-precision keys do."""
+    the tensor cores in the cache's dtype, as the full-precision keys do; with FOLD the codes meet it
+    there as they are (integers, exact) and each key's scale multiplies its score after the dot."""
     offs = tl.arange(0, CBLOCK_N)
     bi = j + offs // KV_BLOCK
     n_mask = (offs < NB * KV_BLOCK) & (bi < j_end)
     blk = tl.load(table + bi, mask=n_mask, other=0)
     slot = blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
-    k = _load_dequant(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if FOLD and not IEEE:
+        c, ks = _load_codes(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD,
+                            BITS)
+        s = tl.dot(q.to(dtype), tl.trans(c.to(dtype))) * ks[None, :]
     else:
-        s = tl.dot(q.to(dtype), tl.trans(k.to(dtype)))
+        k = _load_dequant(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD,
+                          BITS)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(dtype), tl.trans(k.to(dtype)))
     return n_mask, slot, tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
 
 
 @triton.jit
 def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh, d, stride_slot,
                     stride_head, s_slot, s_head, sm_scale, HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr,
-                    CBLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
+                    CBLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr,
+                    FOLD: tl.constexpr = False):
     """The online softmax over compressed blocks table[j .. j+NB) (_cblock_scores); off IEEE the
-    probabilities meet the dequantized values on the tensor cores in the cache's dtype."""
+    probabilities meet the dequantized values on the tensor cores in the cache's dtype; with FOLD each
+    probability is multiplied by its value's scale instead, and meets the codes as they are."""
     n_mask, slot, s = _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot,
-                                     s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+                                     s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FOLD)
+    if FOLD and not IEEE:
+        c, vs = _load_codes(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD,
+                            BITS)
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # softmax_step's, with the scales on the probabilities
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(dtype), c.to(dtype))
+        return m_new, l_sum, acc
     v = _load_dequant(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
     return softmax_step(s, v if IEEE else v.to(dtype), m, l_sum, acc, IEEE, dtype)
 
@@ -183,7 +213,8 @@ def _add_mass(row, idx, mask, p, H: tl.constexpr):
 def _observe(q, qf, k_new, lse, g_mask, n_full, n_comp, meta, MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot,
              k_codes, k_scales, c_slot, c_head, s_slot, s_head, kvh, d, sm_scale, row, MASS_P,
              H: tl.constexpr, HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-             CBLOCK_N: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
+             CBLOCK_N: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr,
+             FOLD: tl.constexpr):
     """Saliency observed inside the step: the attention probabilities exp(score - lse) the GQA group's
     heads give every key, their sum / H added to the step's mass rows (row[:MASS_P]: the full-precision
     keys in compacted order, the new token at n_full; row[MASS_P:]: the compressed keys). The scores are
@@ -202,7 +233,7 @@ def _observe(q, qf, k_new, lse, g_mask, n_full, n_comp, meta, MAX_BLOCKS, k_cach
     j = 0
     while j < n_comp:
         n_mask, _, s = _cblock_scores(qf, j, n_comp, meta + 5 + MAX_BLOCKS, k_codes, k_scales, kvh, d, c_slot, c_head,
-                                      s_slot, s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+                                      s_slot, s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FOLD)
         p = tl.where(g_mask[:, None] & n_mask[None, :], tl.exp(s - lse[:, None]), 0.0)
         _add_mass(row + MASS_P, j * KV_BLOCK + tl.arange(0, CBLOCK_N), n_mask, p, H)
         j += NB
@@ -216,7 +247,7 @@ def _router_decode_kernel(
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        OBSERVE: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
@@ -261,13 +292,13 @@ def _router_decode_kernel(
         while j < j_end:  # NB blocks a tile
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FOLD)
             j += NB
     else:
         for j in range(j_start, j_end, NB):
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FOLD)
     if BITS == 4:
         if n_comp > 0:
             rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
@@ -285,9 +316,16 @@ def _router_decode_kernel(
         _observe(q, qf, k_new, m_safe + tl.log(tl.where(l_all > 0, l_all, 1.0)), g_mask, n_full, n_comp, meta,
                  MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot, k_codes, k_scales, c_slot, c_head, s_slot,
                  s_head, kvh, d, sm_scale, mass_ptr + (b * KVH + kvh) * 2 * MASS_P, MASS_P, H, HD, KV_BLOCK,
-                 BLOCK_N, CBLOCK_N, NB, BITS, IEEE, dtype)
+                 BLOCK_N, CBLOCK_N, NB, BITS, IEEE, dtype, FOLD)
     store_rows(acc_all, l_all, m_safe, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr,
                (b * H + kvh * G + g) * NUM_SPLITS + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
+
+
+def fold_scales() -> bool:
+    """Whether the router's graph kernel multiplies the compressed keys' and values' scales into the
+    scores and probabilities instead of dequantizing every code (O3EDGE_KV_FOLD=1; off by default until
+    measured on a GPU: the interpreter tests check it computes the same attention)."""
+    return os.environ.get("O3EDGE_KV_FOLD") == "1"
 
 
 def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: torch.Tensor,
@@ -331,7 +369,8 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
-        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, num_warps=4, num_stages=2, **pdl.launch_options(on))
+        OBSERVE=observe, FOLD=fold_scales(), INTERPRET=INTERPRET, PDL=on, num_warps=4, num_stages=2,
+        **pdl.launch_options(on))
     return merge_splits(out, part_o, part_lse, num_splits, on)
 
 
