@@ -10,7 +10,9 @@ Steps that observe attention for saliency (every `refresh_steps`-th router step,
 sequence; none with threshold 0) replay a second graph per bucket: the same step with one key split,
 whose attention kernels also add each key's probability (averaged over the heads) into a static mass
 buffer, layer after layer; after the replay the router adds those rows to each sequence's books
-(KVRouter.observed_in_graph). Prompt steps run eager.
+(KVRouter.observed_in_graph). With O3EDGE_OBSERVE_SPLITS=1 that graph keeps the bucket's key splits
+and a second kernel a layer observes after them (off by default until a GPU measures it). Prompt
+steps run eager.
 
 Steps are launched ahead as on the plain graph path (cuda_graph.py: the host's work for step n hides
 under the GPU's for step n+1), except around refresh steps: routing after a refresh step changes block
@@ -21,6 +23,7 @@ queued (its books are kept after its replay).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -68,10 +71,12 @@ class RouterDecodeGraphs(DecodeGraphs):
     def _forward(self, B: int, observe: bool = False):
         r = self.runner
         attention, splits = self._attention, self.splits[B]
-        if observe:  # one key split: each program knows its rows' final log-sum-exp
+        if observe:
             mass = self.mass[:B]
             mass.zero_()
-            attention, splits = functools.partial(self._attention, mass=mass), 1
+            attention = functools.partial(self._attention, mass=mass)
+            if os.environ.get("O3EDGE_OBSERVE_SPLITS") != "1":
+                splits = 1  # each program knows its rows' final log-sum-exp and observes in place
         return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, splits,
                               self.fused, attention=attention)
 

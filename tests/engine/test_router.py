@@ -365,7 +365,8 @@ def test_router_decode_kernel_on_the_gpu(mode, splits, dtype):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, device="cpu"):
+@pytest.mark.parametrize("splits", [1, 3])  # 3: a second kernel observes after the splits
+def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, splits, device="cpu"):
     """Saliency observed inside the step (for the CUDA graph): every key's attention probability,
     averaged over the heads, at its place in the mass rows, and over two layers they add up."""
     from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
@@ -385,7 +386,8 @@ def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, d
     for _ in range(2):  # two layers' worth (the same inputs): the rows accumulate
         qkv = torch.randn(3, (H + 2 * KVH) * hd, device=device).to(dtype)
         k1, v1 = kv[0].clone(), kv[1].clone()
-        out = router_decode_attention(qkv, cos, sin, meta, k1, v1, codes, scales, rot, mode, H, bs, 1, mass=mass)
+        out = router_decode_attention(qkv, cos, sin, meta, k1, v1, codes, scales, rot, mode, H, bs, splits,
+                                      mass=mass)
         k2, v2 = kv[0].clone(), kv[1].clone()
         ref = router_decode_reference(qkv, cos, sin, meta, k2, v2, codes, scales, rot, mode, H, bs, mass=want)
     exact = dtype == torch.float32
@@ -403,8 +405,9 @@ def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, d
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_router_decode_kernel_observes_on_the_gpu(mode, dtype):
-    test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, device="cuda")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_router_decode_kernel_observes_on_the_gpu(mode, dtype, splits):
+    test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, splits, device="cuda")
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -418,8 +421,7 @@ def test_folded_scales_attend_and_observe_as_dequantized_codes_do(mode, splits, 
     monkeypatch.setenv("O3EDGE_KV_FOLD", "1")
     assert fold_scales()
     test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype, device=device)
-    if splits == 1:
-        test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, device=device)
+    test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, splits, device=device)
 
 
 @pytest.mark.gpu

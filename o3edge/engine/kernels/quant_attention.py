@@ -210,29 +210,30 @@ def _add_mass(row, idx, mask, p, H: tl.constexpr):
 
 
 @triton.jit
-def _observe(q, qf, k_new, lse, g_mask, n_full, n_comp, meta, MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot,
-             k_codes, k_scales, c_slot, c_head, s_slot, s_head, kvh, d, sm_scale, row, MASS_P,
+def _observe(q, qf, k_new, lse, g_mask, start, end, j, j_end, with_self, meta, MAX_BLOCKS, k_cache_ptr, v_cache_ptr,
+             stride_slot, k_codes, k_scales, c_slot, c_head, s_slot, s_head, kvh, d, sm_scale, row, MASS_P,
              H: tl.constexpr, HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
              CBLOCK_N: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr,
              FOLD: tl.constexpr):
     """Saliency observed inside the step: the attention probabilities exp(score - lse) the GQA group's
-    heads give every key, their sum / H added to the step's mass rows (row[:MASS_P]: the full-precision
-    keys in compacted order, the new token at n_full; row[MASS_P:]: the compressed keys). The scores are
-    those of the attention pass, computed again, key for key the same way."""
-    n0 = 0
-    while n0 < n_full:
-        offs, n_mask, s, _ = paged_scores(q, n0, n_full, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d,
+    heads give keys [start, end) of the compacted full-precision table and compressed blocks [j, j_end)
+    (and with with_self the new token, full key `end`), their sum / H added to the step's mass rows
+    (row[:MASS_P]: the full-precision keys in compacted order, the new token after them; row[MASS_P:]:
+    the compressed keys). The scores are those of the attention pass, computed again the same way."""
+    n0 = start
+    while n0 < end:
+        offs, n_mask, s, _ = paged_scores(q, n0, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d,
                                           HD, KV_BLOCK, BLOCK_N, IEEE)
         p = tl.where(g_mask[:, None] & n_mask[None, :], tl.exp(s * sm_scale - lse[:, None]), 0.0)
         _add_mass(row, offs, n_mask, p, H)
         n0 += BLOCK_N
-    s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale  # as attend_self
-    one = tl.arange(0, 1)
-    p_self = tl.where(g_mask, tl.exp(s_self - lse), 0.0)
-    _add_mass(row, n_full + one, one < 1, p_self[:, None], H)
-    j = 0
-    while j < n_comp:
-        n_mask, _, s = _cblock_scores(qf, j, n_comp, meta + 5 + MAX_BLOCKS, k_codes, k_scales, kvh, d, c_slot, c_head,
+    if with_self:
+        s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale  # as attend_self
+        one = tl.arange(0, 1)
+        p_self = tl.where(g_mask, tl.exp(s_self - lse), 0.0)
+        _add_mass(row, tl.load(meta + 3) + one, one < 1, p_self[:, None], H)
+    while j < j_end:
+        n_mask, _, s = _cblock_scores(qf, j, j_end, meta + 5 + MAX_BLOCKS, k_codes, k_scales, kvh, d, c_slot, c_head,
                                       s_slot, s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FOLD)
         p = tl.where(g_mask[:, None] & n_mask[None, :], tl.exp(s - lse[:, None]), 0.0)
         _add_mass(row + MASS_P, j * KV_BLOCK + tl.arange(0, CBLOCK_N), n_mask, p, H)
@@ -240,11 +241,62 @@ def _observe(q, qf, k_new, lse, g_mask, n_full, n_comp, meta, MAX_BLOCKS, k_cach
 
 
 @triton.jit
+def _rotated(x, rot_ptr, d, n_comp, HD: tl.constexpr, BITS: tl.constexpr):
+    """x [rows, HD_PAD] float32 in the INT4 pool's rotated basis (or back: the Hadamard matrix is its own
+    inverse); a float32 dot, none for INT8 or a row with nothing compressed."""
+    if BITS == 4:
+        if n_comp > 0:
+            rmask = (d < HD)[:, None] & (d < HD)[None, :]
+            rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
+            x = tl.dot(x, rot, input_precision="ieee")
+    return x
+
+
+@triton.jit
+def _observe_kernel(q_ptr, part_lse_ptr, meta_ptr, stride_meta, MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot,
+                    k_codes, k_scales, c_slot, c_head, s_slot, s_head, rot_ptr, sm_scale, mass_ptr, MASS_P,
+                    H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
+                    HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
+                    NB: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BITS: tl.constexpr,
+                    IEEE: tl.constexpr, FOLD: tl.constexpr):
+    """A refresh step's observation when its attention ran in NUM_SPLITS key splits: each program takes
+    the same keys its attention split took, with the row's final log-sum-exp from the splits' own."""
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dtype = k_cache_ptr.dtype.element_ty
+    meta = meta_ptr + b * stride_meta
+    n_full = tl.load(meta + 3)
+    n_comp = tl.load(meta + 4)
+    d, g, g_mask = head_ranges(HD_PAD, G_PAD, G)
+    heads = kvh * G + g
+    qmask = g_mask[:, None] & (d < HD)[None, :]
+    q = tl.load(q_ptr + (b * H + heads)[:, None] * HD + d[None, :], mask=qmask, other=0.0)
+    sp = tl.arange(0, SPLITS_PAD)
+    parts = tl.load(part_lse_ptr + ((b * H + heads) * NUM_SPLITS)[:, None] + sp[None, :],
+                    mask=g_mask[:, None] & (sp < NUM_SPLITS)[None, :], other=float("-inf"))  # [G_PAD, S]
+    top = tl.max(parts, axis=1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp(parts - top[:, None]), axis=1)
+    lse = top + tl.log(tl.where(g_mask, total, 1.0))  # padding rows (no splits: total 0): 0
+    one = tl.arange(0, 1)
+    slot = tl.load(meta + 2).to(tl.int64)
+    k_new = tl.load(k_cache_ptr + slot * stride_slot + kvh * HD + one[:, None] * 0 + d[None, :],
+                    mask=(one < 1)[:, None] & (d < HD)[None, :], other=0.0)
+    qf = _rotated(q.to(tl.float32), rot_ptr, d, n_comp, HD, BITS)
+    start, end = split_range(n_full, split, NUM_SPLITS, BLOCK_N)
+    per = tl.cdiv(n_comp, NUM_SPLITS)
+    j_start = split * per
+    _observe(q, qf, k_new, lse, g_mask, start, end, j_start, tl.minimum(j_start + per, n_comp), split == 0, meta,
+             MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot, k_codes, k_scales, c_slot, c_head, s_slot, s_head,
+             kvh, d, sm_scale, mass_ptr + (b * KVH + kvh) * 2 * MASS_P, MASS_P, H, HD, KV_BLOCK, BLOCK_N, CBLOCK_N,
+             NB, BITS, IEEE, dtype, FOLD)
+
+
+@triton.jit
 def _router_decode_kernel(
         qkv_ptr, stride_qkv, cos_ptr, sin_ptr, meta_ptr, stride_meta, MAX_BLOCKS,
         k_cache_ptr, v_cache_ptr, stride_slot, k_codes, v_codes, k_scales, v_scales, c_slot, c_head, s_slot, s_head,
         rot_ptr, qn_ptr, kn_ptr, eps, out_ptr, stride_out, part_o_ptr, part_lse_ptr, sm_scale, mass_ptr, MASS_P,
-        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
+        q_ptr, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
         OBSERVE: tl.constexpr, FOLD: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
@@ -276,12 +328,7 @@ def _router_decode_kernel(
         m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
 
     # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
-    qf = q.to(tl.float32)
-    rmask = (d < HD)[:, None] & (d < HD)[None, :]
-    if BITS == 4:
-        if n_comp > 0:  # each rotation is a float32 dot: none for a row with nothing compressed
-            rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
-            qf = tl.dot(qf, rot, input_precision="ieee")
+    qf = _rotated(q.to(tl.float32), rot_ptr, d, n_comp, HD, BITS)
     per = tl.cdiv(n_comp, NUM_SPLITS)
     j_start = split * per
     j_end = tl.minimum(j_start + per, n_comp)
@@ -299,10 +346,7 @@ def _router_decode_kernel(
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
                                               KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FOLD)
-    if BITS == 4:
-        if n_comp > 0:
-            rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
-            acc_c = tl.dot(acc_c, rot, input_precision="ieee")  # R is its own inverse
+    acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS)  # back from the rotated basis
 
     # merge the two pools: one (output, log-sum-exp) per row
     m_all = tl.maximum(m, m_c)
@@ -312,11 +356,14 @@ def _router_decode_kernel(
     w_c = tl.where(l_c > 0, tl.exp(m_c - m_safe), 0.0)
     l_all = l_sum * w_f + l_c * w_c
     acc_all = acc * w_f[:, None] + acc_c * w_c[:, None]
-    if OBSERVE:  # one split (NUM_SPLITS == 1): this program has seen every key, so the final lse is known
-        _observe(q, qf, k_new, m_safe + tl.log(tl.where(l_all > 0, l_all, 1.0)), g_mask, n_full, n_comp, meta,
-                 MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot, k_codes, k_scales, c_slot, c_head, s_slot,
-                 s_head, kvh, d, sm_scale, mass_ptr + (b * KVH + kvh) * 2 * MASS_P, MASS_P, H, HD, KV_BLOCK,
-                 BLOCK_N, CBLOCK_N, NB, BITS, IEEE, dtype, FOLD)
+    if OBSERVE == 1:  # one split: this program has seen every key, so the final lse is known
+        _observe(q, qf, k_new, m_safe + tl.log(tl.where(l_all > 0, l_all, 1.0)), g_mask, 0, n_full, 0, n_comp,
+                 True, meta, MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot, k_codes, k_scales, c_slot, c_head,
+                 s_slot, s_head, kvh, d, sm_scale, mass_ptr + (b * KVH + kvh) * 2 * MASS_P, MASS_P, H, HD,
+                 KV_BLOCK, BLOCK_N, CBLOCK_N, NB, BITS, IEEE, dtype, FOLD)
+    if OBSERVE == 2 and split == 0:  # key splits: _observe_kernel observes, after them, with this query
+        tl.store(q_ptr + (b * H + kvh * G + g)[:, None] * HD + d[None, :], q,
+                 mask=g_mask[:, None] & (d < HD)[None, :])
     store_rows(acc_all, l_all, m_safe, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr,
                (b * H + kvh * G + g) * NUM_SPLITS + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
 
@@ -338,12 +385,13 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     qkv [B, (H + 2*KVH) * hd]; meta int32 [B, 5 + 2 * max_blocks] (the layout above); k_cache, v_cache
     [slots, KVH, hd] (written at each row's slot); codes [2, slots, KVH, cd] and scales [2, slots, KVH]
     of the layer (KVRouter.codes[layer], .scales[layer]); rotation [hd, hd] float32 for int4.
-    With mass (float32 [B, KVH, 2, P], one key split only), the step also observes saliency: each key's
-    attention probability, averaged over the heads, is added to mass[b, :, 0, i] for the i-th
-    full-precision key in compacted order (the new token at i = full keys before it) and to
-    mass[b, :, 1, i] for the i-th compressed key (summed over the KV-head axis, that is the eager
-    router's observation: router.py `_observe`). Returns the attention output [B, H * hd]. Static
-    shapes: it can be captured in a CUDA graph."""
+    With mass (float32 [B, KVH, 2, P]), the step also observes saliency: each key's attention
+    probability, averaged over the heads, is added to mass[b, :, 0, i] for the i-th full-precision key
+    in compacted order (the new token at i = full keys before it) and to mass[b, :, 1, i] for the i-th
+    compressed key (summed over the KV-head axis, that is the eager router's observation: router.py
+    `_observe`). With one key split the attention kernel observes itself; with several, a second kernel
+    does after them (_observe_kernel). Returns the attention output [B, H * hd]. Static shapes: it can be
+    captured in a CUDA graph."""
     from o3edge.engine.kernels.decode_attention import merge_splits, split_outputs
 
     B = qkv.shape[0]
@@ -352,8 +400,9 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     max_blocks = (meta.shape[1] - 5) // 2
     out, part_o, part_lse = split_outputs(qkv, num_heads, HD, num_splits, k_cache.dtype)
     norm = q_norm is not None
-    observe = mass is not None
-    assert not observe or (num_splits == 1 and mass.shape[:3] == (B, KVH, 2) and mass.is_contiguous())
+    observe = 0 if mass is None else 1 if num_splits == 1 else 2
+    assert not observe or (mass.shape[:3] == (B, KVH, 2) and mass.is_contiguous())
+    q_buf = torch.empty(B, num_heads, HD, device=qkv.device, dtype=k_cache.dtype) if observe == 2 else cos
     rot = rotation if rotation is not None else cos
     on = pdl.enabled(str(qkv.device))
     # compressed keys: 64 a tile (whole blocks) where the block size is a power of 2 up to 64, else one block
@@ -364,14 +413,23 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), max_blocks, k_cache, v_cache, k_cache.stride(0),
         codes[0], codes[1], scales[0], scales[1], codes.stride(1), codes.stride(2), scales.stride(1),
         scales.stride(2), rot, q_norm if norm else cos, k_norm if norm else cos, eps, out, out.stride(0),
-        part_o, part_lse, HD ** -0.5, mass if observe else cos, mass.shape[-1] if observe else 0,
+        part_o, part_lse, HD ** -0.5, mass if observe else cos, mass.shape[-1] if observe else 0, q_buf,
         H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
         OBSERVE=observe, FOLD=fold_scales(), INTERPRET=INTERPRET, PDL=on, num_warps=4, num_stages=2,
         **pdl.launch_options(on))
-    return merge_splits(out, part_o, part_lse, num_splits, on)
+    out = merge_splits(out, part_o, part_lse, num_splits, on)
+    if observe == 2:
+        _observe_kernel[(B, KVH, num_splits)](
+            q_buf, part_lse, meta, meta.stride(0), max_blocks, k_cache, v_cache, k_cache.stride(0), codes[0],
+            scales[0], codes.stride(1), codes.stride(2), scales.stride(1), scales.stride(2), rot, HD ** -0.5, mass,
+            mass.shape[-1], H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
+            HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size, BLOCK_N=32, CBLOCK_N=cblock, NB=nb,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), BITS=8 if mode == "int8" else 4,
+            IEEE=k_cache.dtype == torch.float32, FOLD=fold_scales(), num_warps=4)
+    return out
 
 
 def router_decode_reference(qkv, cos, sin, meta, k_cache, v_cache, codes, scales, rotation, mode, num_heads,
