@@ -5,8 +5,13 @@ weights: the generic `ModelRunner.prepare` builds a padded key-slot table, a mas
 and gathers every layer's keys and values through it (two `index_select` per layer). Here, when each
 sequence's blocks are consecutive in the pool (the usual case: the allocator hands out free blocks in
 order), its keys are one slice of the cache, `[start, start + length)`, that attention reads as a
-view: no gather, no mask, exactly the live prefix. Steps that do not fit (prefill chunks, scattered
-blocks) fall back to the generic path.
+view: no gather, no mask, exactly the live prefix. A sequence whose blocks are scattered (a prefix-cache
+hit, a pool that wrapped around) has its live prefix's slots gathered into the same layout, so that
+attention computes exactly what it would over a view, and the same prompt gives the same logits
+wherever its blocks lie (the generic path's padded, masked attention rounds differently, and an INT4
+model's activation rounding turns that into different greedy tokens). The compiled and INT8 decode
+forwards read a slice only; for them scattered blocks, and for all of them prefill chunks, take the
+generic path.
 """
 
 from __future__ import annotations
@@ -48,9 +53,13 @@ class CpuDecode:
                 tables.append(seq.block_table[:nb])
             else:
                 start = contiguous_start(seq.block_table, nb)
-                if start is None:
-                    return None
-                spans.append((start * bs, start * bs + p + 1))
+                if start is not None:
+                    spans.append((start * bs, start * bs + p + 1))
+                elif self.fast_forward or self.compiled is not None:
+                    return None  # their attention reads a slice of the cache
+                else:  # the live prefix's slots, in order
+                    blocks = torch.tensor(seq.block_table[:nb])
+                    spans.append((blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:p + 1])
             ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[nb - 1] * bs + p % bs)
@@ -71,11 +80,16 @@ class CpuDecode:
 
 
 def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans) -> torch.Tensor:
-    """q: [B, H, hd], one new token per sequence; keys of sequence b are cache slots spans[b] -> [B, H, hd]."""
+    """q: [B, H, hd], one new token per sequence; keys of sequence b are cache slots spans[b] (start, end),
+    or the slots in a LongTensor (scattered blocks: gathered into the same layout) -> [B, H, hd]."""
     outs = []
-    for b, (start, end) in enumerate(spans):
-        k = k_cache[start:end].transpose(0, 1)[None]  # [1, KVH, S, hd], a view
-        v = v_cache[start:end].transpose(0, 1)[None]
+    for b, span in enumerate(spans):
+        if isinstance(span, tuple):
+            k, v = k_cache[span[0]:span[1]], v_cache[span[0]:span[1]]  # views
+        else:
+            k, v = k_cache.index_select(0, span), v_cache.index_select(0, span)
+        k = k.transpose(0, 1)[None]  # [1, KVH, S, hd]
+        v = v.transpose(0, 1)[None]
         out = torch.nn.functional.scaled_dot_product_attention(q[b, None, :, None], k, v, enable_gqa=True)
         outs.append(out.view(1, *q.shape[1:]))  # [1, H, hd]
     return outs[0] if len(outs) == 1 else torch.cat(outs)

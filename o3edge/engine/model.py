@@ -29,7 +29,7 @@ class StepBatch:
     max_q: int  # Q
     logits_index: torch.Tensor  # [B] flat index of each sequence's last new token
     dense: bool = False  # every sequence has exactly Q new tokens: the padded view is the flat one
-    kv_spans: tuple[tuple[int, int], ...] | None = None  # CPU decode: sequence b's keys are slots [start, end)
+    kv_spans: tuple | None = None  # CPU decode: sequence b's keys are slots [start, end), or these slots (a LongTensor)
     # paged prefill kernel (CUDA): int32 [B, 3] (first flat row, new tokens, start position), int32 block
     # tables [B, blocks] and the block size; kv_slots and attn_mask are then unused (None)
     seqs: torch.Tensor | None = None

@@ -132,7 +132,50 @@ def test_decode_over_the_cache_view_equals_the_gathered_path(checkpoints, monkey
     assert fast == slow
 
 
-def test_scattered_blocks_take_the_generic_path():
+def test_scattered_blocks_give_the_logits_of_consecutive_ones(checkpoints):
+    """A sequence whose blocks are scattered over the pool (a prefix-cache hit, a pool that wrapped around)
+    decodes through the spans too, its slots gathered: the same prompt gives bit-identical logits wherever
+    its blocks lie (the generic path rounds differently)."""
+    from o3edge.engine.cpu_decode import CpuDecode, contiguous_start
+    from o3edge.engine.sequence import Sequence
+
+    engine = O3Model.from_config(O3Config(model_path=checkpoints("llama-tied"), device="cpu", dtype="float32",
+                                          kv_block_size=8, kv_cache_memory_mb=4, max_model_len=256)).engine
+    runner, blocks, prompt = engine.runner, engine.blocks, engine.encode("import os\n" * 12)
+    assert runner.cpu_decode.native is None and not runner.cpu_decode.fast_forward  # the model's own forward
+
+    def generate(name):
+        seq = Sequence(name, list(prompt), SamplingParams(max_new_tokens=30, ignore_eos=True))
+        blocks.allocate(seq, reuse=False)
+        rows, n, spans = [], len(seq), 0
+        for _ in range(24):
+            spans += n == 1 and runner.cpu_decode.prepare([(seq, 1)]) is not None
+            runner.run([(seq, n)])
+            blocks.mark_computed(seq, n)
+            rows.append(runner.last_logits[0].clone())
+            seq.token_ids.append(int(rows[-1].argmax()))
+            blocks.append_slot(seq)
+            n = 1
+        table = list(seq.block_table)
+        blocks.free_seq(seq)
+        runner.release(seq)
+        return torch.stack(rows), table, spans
+
+    first, table, spans = generate("a")
+    assert contiguous_start(table, len(table)) is not None and spans == 23
+    fillers = []
+    while blocks.free:  # take every free block, then give back every other one: the next table interleaves
+        filler = Sequence(f"f{len(fillers)}", [7 + len(fillers)] * 8, SamplingParams(max_new_tokens=1))
+        blocks.allocate(filler, reuse=False)
+        fillers.append(filler)
+    for filler in fillers[::2]:
+        blocks.free_seq(filler)
+    again, table, spans = generate("b")
+    assert contiguous_start(table, len(table)) is None and spans == 23
+    assert torch.equal(first, again)
+
+
+def test_contiguous_start_and_lazy_zeros():
     from o3edge.engine.cpu_decode import contiguous_start, lazy_zeros
 
     assert contiguous_start([4, 5, 6, 9], 3) == 4
