@@ -58,8 +58,9 @@ class CpuDecode:
                 elif self.fast_forward or self.compiled is not None:
                     return None  # their attention reads a slice of the cache
                 else:  # the live prefix's slots, in order
-                    blocks = torch.tensor(seq.block_table[:nb])
-                    spans.append((blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:p + 1])
+                    from o3edge.engine.runner import key_slots  # runner.py imports this module
+
+                    spans.append(key_slots(torch.tensor([seq.block_table[:nb]]), bs)[0, :p + 1])
             ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[nb - 1] * bs + p % bs)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from o3edge.engine.kv_quant import bytes_per_vector, code_dim, dequantize, hadamard, quantize
+from o3edge.engine.runner import key_slots
 
 ROUTER_MODES = ("off", "int8", "int4")
 
@@ -80,11 +81,6 @@ def salient_rows(rows: list[torch.Tensor], threshold: float) -> torch.Tensor:
     ranks = torch.arange(n, device=sal.device)[None, :]
     pick = (ranks < count) & (total > 0)
     return torch.zeros_like(pick).scatter_(1, order, pick)
-
-
-def salient_positions(saliency: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Bool [n]: salient_rows for one sequence."""
-    return salient_rows([saliency], threshold)[0]
 
 
 def holding_blocks(rows: list[torch.Tensor], threshold: float, block_size: int) -> list[list[bool]]:
@@ -254,10 +250,6 @@ class KVRouter:
         whose books have not started."""
         return any(self.seqs.get(seq.seq_id) is None or n != 1 or seq.num_output_tokens == 0 for seq, n in batch)
 
-    def observes(self, batch) -> bool:
-        """Whether a step over batch observes attention for saliency (or starts a sequence's books)."""
-        return self.needs_eager(batch) or self.observing_now()
-
     @property
     def observing(self) -> bool:
         """Whether routing needs saliency (threshold 0 demotes every eligible block without it)."""
@@ -343,16 +335,19 @@ class KVRouter:
         router_decode_attention: full-precision keys in compacted order, then compressed ones), summed
         over the layers. The same books as `_observe` keeps for the eager step."""
         bs, total = self.block_size, mass.sum(1)  # [n, 2, P]
-        for b, (seq, full, comp) in enumerate(rows):
+        wheres, sizes = [], []
+        for seq, full, comp in rows:  # each key's position: its block's place in the table, its offset
+            n_full = seq.num_computed_tokens - len(comp) * bs + 1  # full keys: the new token's too
+            wheres += [key_slots(torch.tensor([full]), bs)[0, :n_full],
+                       key_slots(torch.tensor([comp], dtype=torch.long), bs)[0]]
+            sizes.append((n_full, len(comp) * bs))
+        where = torch.cat(wheres).to(self.device).split([n for pair in sizes for n in pair])  # one copy
+        for b, ((seq, _, _), (n_full, n_comp)) in enumerate(zip(rows, sizes)):
             pos = seq.num_computed_tokens
-            n_full, n_comp = pos - len(comp) * bs + 1, len(comp) * bs  # full keys: the new token's too
-            offs = torch.arange(bs)
-            where = torch.cat(((torch.tensor(full)[:, None] * bs + offs).reshape(-1)[:n_full],
-                               (torch.tensor(comp, dtype=torch.long)[:, None] * bs + offs).reshape(-1)))
             state = self.seqs[seq.seq_id]
             state.grow(pos + 1)
-            state.mass.index_add_(0, where.to(self.device),
-                                  torch.cat((total[b, 0, :n_full], total[b, 1, :n_comp])).double())
+            state.mass.index_add_(0, where[2 * b], total[b, 0, :n_full].double())
+            state.mass.index_add_(0, where[2 * b + 1], total[b, 1, :n_comp].double())
             state.count[:pos + 1] += 1.0  # one observer, who sees every position up to its own
 
     def _gather(self, layer: int, slots: torch.Tensor):

@@ -6,8 +6,7 @@ import torch
 from o3edge import O3Config, O3Model
 from o3edge.engine.kernels.quant_attention import quant_attention_partial, quant_attention_reference
 from o3edge.engine.kv_quant import dequantize, hadamard, quantize
-from o3edge.engine.router import (KVRouter, RouterConfig, blocks_to_demote, holding_blocks, salient_positions,
-                                  salient_rows)
+from o3edge.engine.router import KVRouter, RouterConfig, blocks_to_demote, holding_blocks, salient_rows
 from o3edge.engine.sequence import SamplingParams, Sequence
 from o3edge.errors import ConfigError
 
@@ -55,6 +54,10 @@ def test_rotation_cuts_int4_error_on_an_outlier_channel():
 
 
 # ---- policy ------------------------------------------------------------------------------------
+
+def salient_positions(saliency, threshold):
+    return salient_rows([saliency], threshold)[0]
+
 
 def test_salient_set_is_the_smallest_covering_the_threshold():
     s = torch.tensor([0.05, 0.5, 0.1, 0.3, 0.05], dtype=torch.float64)
