@@ -98,8 +98,11 @@ def _run_wrappers() -> None:
     router_meta = torch.zeros(2, 5 + 2 * 4, dtype=torch.int32)
     for mode, rot in (("int8", None), ("int4", hadamard(HD))):
         codes, scales = quantize(torch.zeros(2, 4 * bs, KVH, HD), mode, rot)
+        mass = torch.zeros(2, KVH, 2, 8 * bs)
         for splits in (1, 3):
             router_decode_attention(qkv, cos, cos, router_meta, cache, cache, codes, scales, rot, mode, H, bs, splits)
+        # a refresh step: the attention kernel observes (one key split)
+        router_decode_attention(qkv, cos, cos, router_meta, cache, cache, codes, scales, rot, mode, H, bs, 1, mass=mass)
     float_logits_and_argmax(torch.zeros(2, 32000, dtype=h))
     add_rmsnorm(torch.zeros(4, K, dtype=h), torch.zeros(4, K, dtype=h), nw, 1e-6)
     silu_mul(torch.zeros(4, 2 * K, dtype=h))

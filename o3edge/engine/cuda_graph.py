@@ -26,10 +26,14 @@ log = logging.getLogger(__name__)
 MAX_SPLITS = 32
 
 
-def attention_splits(batch: int, kv_heads: int, num_sms: int) -> int:
-    """Key-axis splits for a batch bucket: about two programs per SM, one split once the batch fills it."""
+def attention_splits(batch: int, kv_heads: int, num_sms: int, per_sm: int = 8) -> int:
+    """Key-axis splits for a batch bucket: about per_sm programs per SM, one split once the batch fills the
+    SMs. Decode attention is bound by memory latency, so more programs keep more loads in flight: on the
+    H200, llama-1b at 16 sequences of 4,096 tokens (128 programs a split), a layer took 56.9 us at 3 splits
+    (two programs per SM, the rule before), 45.9 at 6 and 40.7 at 12 (tools/bench_attention.py,
+    docs/results/gpu-2026-12-01c/attn-grid.json)."""
     programs = batch * kv_heads
-    return 1 if programs >= num_sms else min(MAX_SPLITS, -(-2 * num_sms // programs))
+    return 1 if programs >= num_sms else min(MAX_SPLITS, -(-per_sm * num_sms // programs))
 
 
 def buckets(limit: int, start: int) -> list[int]:

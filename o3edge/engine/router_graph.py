@@ -10,9 +10,9 @@ Steps that observe attention for saliency (every `refresh_steps`-th router step,
 sequence; none with threshold 0) replay a second graph per bucket: the same step with one key split,
 whose attention kernels also add each key's probability (averaged over the heads) into a static mass
 buffer, layer after layer; after the replay the router adds those rows to each sequence's books
-(KVRouter.observed_in_graph). With O3EDGE_OBSERVE_SPLITS=1 that graph keeps the bucket's key splits
-and a second kernel a layer observes after them (off by default until a GPU measures it). Prompt
-steps run eager.
+(KVRouter.observed_in_graph). (Keeping the bucket's key splits and observing in a second kernel after
+them was measured on the H200 and was no faster: 5,499 against 5,593 tok/s for INT8 at 4K x 16,
+docs/results/gpu-2026-12-01c/; it was removed.) Prompt steps run eager.
 
 Steps are launched ahead as on the plain graph path (cuda_graph.py: the host's work for step n hides
 under the GPU's for step n+1), except around refresh steps: routing after a refresh step changes block
@@ -23,12 +23,12 @@ queued (its books are kept after its replay).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from o3edge.engine.cuda_graph import DecodeGraphs, capture_graphs
+from o3edge.engine.cuda_graph import DecodeGraphs, attention_splits, capture_graphs
 from o3edge.engine.decode_step import decode_forward
+from o3edge.engine.kernels import num_sms
 
 
 class RouterDecodeGraphs(DecodeGraphs):
@@ -36,6 +36,11 @@ class RouterDecodeGraphs(DecodeGraphs):
 
     def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
         super().__init__(runner, max_batch, capture, launch_ahead)
+        # two programs per SM: the two-pool kernel holds more registers, and on the H200 (llama-1b, 16
+        # sequences at 4,096 tokens) it ran faster in 3 key splits than in 9: uniform INT8 49.0 against 54.2
+        # us a layer, INT4 92.2 against 101.1 (tools/bench_attention.py, docs/results/gpu-2026-12-01c/)
+        sms = num_sms(str(runner.device))
+        self.splits = {b: attention_splits(b, runner.args.num_kv_heads, sms, per_sm=2) for b in self.batch_buckets}
         self.observe_graphs: dict = {}
         self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
         self.mass = None
@@ -75,8 +80,7 @@ class RouterDecodeGraphs(DecodeGraphs):
             mass = self.mass[:B]
             mass.zero_()
             attention = functools.partial(self._attention, mass=mass)
-            if os.environ.get("O3EDGE_OBSERVE_SPLITS") != "1":
-                splits = 1  # each program knows its rows' final log-sum-exp and observes in place
+            splits = 1  # each program knows its rows' final log-sum-exp and observes in place
         return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, splits,
                               self.fused, attention=attention)
 

@@ -229,25 +229,35 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_out, H: tl.co
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block_size: int,
                      num_splits: int = 1, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                     eps: float = 1e-6) -> torch.Tensor:
+                     eps: float = 1e-6, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """qkv: [B, (H + 2*KVH) * hd] this step's projections; cos, sin: [max_len, hd] tables;
     meta: int32 [B, 3 + max_blocks]; k_cache, v_cache: [slots, KVH, hd] (written at each row's slot).
-    Returns the attention output [B, H * hd]."""
+    Returns the attention output [B, H * hd]. config (BLOCK_N, num_warps, num_stages) overrides the
+    tiling (tools/bench_attention.py)."""
     B = qkv.shape[0]
     _, KVH, HD = k_cache.shape
     G = num_heads // KVH
     out, part_o, part_lse = split_outputs(qkv, num_heads, HD, num_splits, k_cache.dtype)
     norm = q_norm is not None
     on = pdl.enabled(str(qkv.device))
+    block_n, warps, stages = config or (key_tile(HD), 4, 2)
     _decode_attention_kernel[(B, KVH, num_splits)](
         qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), k_cache, v_cache, k_cache.stride(0),
         q_norm if norm else cos, k_norm if norm else cos, eps, out, out.stride(0), part_o, part_lse, HD ** -0.5,
         H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
-        BLOCK_N=32 if num_splits > 1 or HD > 128 else 64, NUM_SPLITS=num_splits, QK_NORM=norm,
-        IEEE=k_cache.dtype == torch.float32, INTERPRET=INTERPRET, PDL=on, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, QK_NORM=norm,
+        IEEE=k_cache.dtype == torch.float32, INTERPRET=INTERPRET, PDL=on, num_warps=warps, num_stages=stages,
         **pdl.launch_options(on))
     return merge_splits(out, part_o, part_lse, num_splits, on)
+
+
+def key_tile(head_dim: int) -> int:
+    """Keys a decode-attention tile: 64 (32 above head_dim 128, for registers). On the H200, llama-1b,
+    16 sequences at 4,096 tokens (tools/bench_attention.py, docs/results/gpu-2026-12-01c/attn-grid.json),
+    64-key tiles took a layer's attention from 80.8 to 56.9 us at 3 key splits and from 47.6 to 40.7 us
+    at 12: more bytes in flight a load (the kernel is bound by memory latency, not by its math)."""
+    return 64 if head_dim <= 128 else 32
 
 
 def split_outputs(qkv: torch.Tensor, num_heads: int, head_dim: int, num_splits: int, dtype: torch.dtype):
