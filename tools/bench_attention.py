@@ -130,6 +130,9 @@ def main() -> None:
     ap.add_argument("--cases", default="off,int8,int4,int8-half")
     ap.add_argument("--grid", action="store_true")
     ap.add_argument("--splits", default=None, help="also these key splits at the planned tiling (comma-separated)")
+    ap.add_argument("--configs", default=None,
+                    help="router cases: also these tilings at the planned splits, a JSON list of "
+                         "[BLOCK_N, compressed keys a tile, warps, stages, prefetch]")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from o3edge.engine.cuda_graph import attention_splits
@@ -145,6 +148,8 @@ def main() -> None:
     for case in a.cases.split(","):
         planned = planned_of.get(case, router_splits)
         configs = [(planned, None)] + [(int(x), None) for x in (a.splits or "").split(",") if x]
+        if a.configs and case != "off":
+            configs += [(planned, tuple(c)) for c in json.loads(a.configs)]
         if a.grid:
             splits = sorted({planned, 2 * planned, 4 * planned})
             if case == "off":
