@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--splits", default=None, help="also these key splits at the planned tiling (comma-separated)")
     ap.add_argument("--configs", default=None,
                     help="router cases: also these tilings at the planned splits, a JSON list of "
-                         "[BLOCK_N, compressed keys a tile, warps, stages, prefetch]")
+                         "[BLOCK_N, compressed keys a tile, warps, stages]")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from o3edge.engine.cuda_graph import attention_splits

@@ -39,42 +39,22 @@ def _load_codes(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride
                 HD: tl.constexpr, BITS: tl.constexpr):
     """The codes of the given slots as float32 [BLOCK_N, HD_PAD] (integers: exact in half precision too)
     and their scales [BLOCK_N] (rows outside n_mask: 0)."""
-    raw, s = _raw_codes(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD,
-                        BITS)
-    return _unpack(raw, d, HD, BITS), s.to(tl.float32)
-
-
-@triton.jit
-def _raw_codes(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head,
-               HD: tl.constexpr, BITS: tl.constexpr):
-    """The stored codes of the given slots, not yet unpacked (_unpack): int8 [BLOCK_N, HD_PAD] (BITS 8),
-    bytes [BLOCK_N, HD // 2] (BITS 4, HD a power of 2) or each column's byte [BLOCK_N, HD_PAD] (BITS 4
-    otherwise); and their scales [BLOCK_N] as stored (rows outside n_mask: 0)."""
     mask = n_mask[:, None] & (d < HD)[None, :]
     base = slot[:, None] * stride_slot + kvh * stride_head
     if BITS == 8:
-        raw = tl.load(codes_ptr + base + d[None, :], mask=mask, other=0)
-    elif HD == d.shape[0]:  # each byte loaded once
-        raw = tl.load(codes_ptr + base + tl.arange(0, HD // 2)[None, :], mask=n_mask[:, None], other=0)
-    else:
-        raw = tl.load(codes_ptr + base + (d // 2)[None, :], mask=mask, other=0)
-    return raw, tl.load(scales_ptr + slot * s_slot + kvh * s_head, mask=n_mask, other=0.0)
-
-
-@triton.jit
-def _unpack(raw, d, HD: tl.constexpr, BITS: tl.constexpr):
-    """_raw_codes' codes as float32 [BLOCK_N, HD_PAD] (INT4: two's-complement nibbles, low nibble first)."""
-    if BITS == 8:
-        q = raw.to(tl.float32)
-    elif HD == d.shape[0]:  # a byte's two codes interleaved back
-        byte = raw.to(tl.int32)
+        q = tl.load(codes_ptr + base + d[None, :], mask=mask, other=0).to(tl.float32)
+    elif HD == d.shape[0]:  # each byte loaded once, its two codes interleaved back (low nibble first)
+        half = tl.arange(0, HD // 2)
+        byte = tl.load(codes_ptr + base + half[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
         lo, hi = byte & 0xF, (byte >> 4) & 0xF
         lo, hi = tl.where(lo > 7, lo - 16, lo), tl.where(hi > 7, hi - 16, hi)
         q = tl.reshape(tl.join(lo, hi), [byte.shape[0], HD]).to(tl.float32)
     else:
-        nib = (raw.to(tl.int32) >> ((d % 2) * 4)[None, :]) & 0xF
+        byte = tl.load(codes_ptr + base + (d // 2)[None, :], mask=mask, other=0).to(tl.int32)
+        nib = (byte >> ((d % 2) * 4)[None, :]) & 0xF
         q = tl.where(nib > 7, nib - 16, nib).to(tl.float32)
-    return q
+    s = tl.load(scales_ptr + slot * s_slot + kvh * s_head, mask=n_mask, other=0.0).to(tl.float32)
+    return q, s
 
 
 @triton.jit
@@ -92,53 +72,22 @@ def _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, s
     slot = blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
     k = _load_dequant(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD,
                       BITS)
-    return n_mask, slot, _scores(q, k, n_mask, sm_scale, IEEE, dtype)
-
-
-@triton.jit
-def _scores(q, k, n_mask, sm_scale, IEEE: tl.constexpr, dtype: tl.constexpr):
-    """Scaled scores of q [rows, HD_PAD] against dequantized keys k [keys, HD_PAD]; -inf off the mask."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q.to(dtype), tl.trans(k.to(dtype)))
-    return tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
+    return n_mask, slot, tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
 
 
 @triton.jit
 def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh, d, stride_slot,
                     stride_head, s_slot, s_head, sm_scale, HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr,
                     CBLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
-    """The online softmax over compressed blocks table[j .. j+NB) (those before j_end)."""
-    n_mask, kr, ks, vr, vs = _cblock_fetch(j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh, d,
-                                           stride_slot, stride_head, s_slot, s_head, HD, KV_BLOCK, NB, CBLOCK_N, BITS)
-    return _cblock_attend(q, m, l_sum, acc, n_mask, kr, ks, vr, vs, d, sm_scale, HD, BITS, IEEE, dtype)
-
-
-@triton.jit
-def _cblock_fetch(j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh, d, stride_slot, stride_head, s_slot,
-                  s_head, HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK_N: tl.constexpr,
-                  BITS: tl.constexpr):
-    """Compressed blocks table[j .. j+NB) (those before j_end) in one tile of CBLOCK_N >= NB * KV_BLOCK keys:
-    the tile's mask and its keys' and values' stored codes and scales (_raw_codes), for _cblock_attend."""
-    offs = tl.arange(0, CBLOCK_N)
-    bi = j + offs // KV_BLOCK
-    n_mask = (offs < NB * KV_BLOCK) & (bi < j_end)
-    blk = tl.load(table + bi, mask=n_mask, other=0)
-    slot = blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
-    kr, ks = _raw_codes(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
-    vr, vs = _raw_codes(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
-    return n_mask, kr, ks, vr, vs
-
-
-@triton.jit
-def _cblock_attend(q, m, l_sum, acc, n_mask, kr, ks, vr, vs, d, sm_scale, HD: tl.constexpr, BITS: tl.constexpr,
-                   IEEE: tl.constexpr, dtype: tl.constexpr):
-    """One online-softmax step over a fetched compressed tile (_cblock_fetch): the codes dequantized in
-    registers, then (off IEEE) on the tensor cores in the cache's dtype, as the full-precision keys."""
-    k = _unpack(kr, d, HD, BITS) * ks.to(tl.float32)[:, None]
-    v = _unpack(vr, d, HD, BITS) * vs.to(tl.float32)[:, None]
-    s = _scores(q, k, n_mask, sm_scale, IEEE, dtype)
+    """The online softmax over compressed blocks table[j .. j+NB) (_cblock_scores); off IEEE the
+    probabilities meet the dequantized values on the tensor cores in the cache's dtype."""
+    n_mask, slot, s = _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot,
+                                     s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+    v = _load_dequant(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
     return softmax_step(s, v if IEEE else v.to(dtype), m, l_sum, acc, IEEE, dtype)
 
 
@@ -292,7 +241,7 @@ def _router_decode_kernel(
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-        OBSERVE: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
@@ -327,37 +276,18 @@ def _router_decode_kernel(
     j_end = tl.minimum(j_start + per, n_comp)
     m_c, l_c, acc_c = softmax_init(G_PAD, HD_PAD)
     ctable = meta + 5 + MAX_BLOCKS
-    if PREFETCH:  # the next tile's codes are loaded before this tile's math (see router_decode_attention)
-        n_mask, kr, ks, vr, vs = _cblock_fetch(j_start, j_end, ctable, k_codes, v_codes, k_scales, v_scales, kvh, d,
-                                               c_slot, c_head, s_slot, s_head, HD, KV_BLOCK, NB, CBLOCK_N, BITS)
     if INTERPRET:
         j = j_start
         while j < j_end:  # NB blocks a tile
-            if PREFETCH:
-                t_mask, t_kr, t_ks, t_vr, t_vs = n_mask, kr, ks, vr, vs
-                n_mask, kr, ks, vr, vs = _cblock_fetch(j + NB, j_end, ctable, k_codes, v_codes, k_scales, v_scales,
-                                                       kvh, d, c_slot, c_head, s_slot, s_head, HD, KV_BLOCK, NB,
-                                                       CBLOCK_N, BITS)
-                m_c, l_c, acc_c = _cblock_attend(qf, m_c, l_c, acc_c, t_mask, t_kr, t_ks, t_vr, t_vs, d, sm_scale, HD,
-                                                 BITS, IEEE, dtype)
-            else:
-                m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
-                                                  v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                                  KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+            m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
+                                              v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
             j += NB
     else:
         for j in range(j_start, j_end, NB):
-            if PREFETCH:
-                t_mask, t_kr, t_ks, t_vr, t_vs = n_mask, kr, ks, vr, vs
-                n_mask, kr, ks, vr, vs = _cblock_fetch(j + NB, j_end, ctable, k_codes, v_codes, k_scales, v_scales,
-                                                       kvh, d, c_slot, c_head, s_slot, s_head, HD, KV_BLOCK, NB,
-                                                       CBLOCK_N, BITS)
-                m_c, l_c, acc_c = _cblock_attend(qf, m_c, l_c, acc_c, t_mask, t_kr, t_ks, t_vr, t_vs, d, sm_scale, HD,
-                                                 BITS, IEEE, dtype)
-            else:
-                m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
-                                                  v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                                  KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+            m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
+                                              v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
     acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS)  # back from the rotated basis
 
     # merge the two pools: one (output, log-sum-exp) per row
@@ -394,12 +324,8 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     compressed key (summed over the KV-head axis, that is the eager router's observation: router.py
     `_observe`); observing needs one key split (each program then knows its rows' final log-sum-exp).
     Returns the attention output [B, H * hd]. Static shapes: it can be
-    captured in a CUDA graph. config (BLOCK_N, compressed keys a tile, num_warps, num_stages[, prefetch])
-    overrides the tiling (tools/bench_attention.py).
-
-    Prefetch: the compressed tiles' codes are loaded one tile ahead, by hand. Triton pipelines a load
-    that feeds a dot directly (the full-precision keys), but codes pass through the dequantization in
-    registers first, so without this each compressed tile waits for its own loads."""
+    captured in a CUDA graph. config (BLOCK_N, compressed keys a tile, num_warps, num_stages) overrides the
+    tiling (tools/bench_attention.py)."""
     from o3edge.engine.kernels.decode_attention import merge_splits, split_outputs
 
     B = qkv.shape[0]
@@ -418,7 +344,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     # block; on the H200 (llama-1b, 16 sequences at 4,096 tokens, 3 key splits) uniform INT8 took 71.5 us a
     # layer with 64 and 48.3 with 128, INT4 119.5 and 94.0 (tools/bench_attention.py --grid)
     pow2 = block_size & (block_size - 1) == 0
-    block_n, ctile, warps, stages, *prefetch = config or (key_tile(HD), 128, 4, 2, True)
+    block_n, ctile, warps, stages = config or (key_tile(HD), 128, 4, 2)
     nb = max(1, ctile // block_size) if pow2 else 1
     cblock = max(16, triton.next_power_of_2(nb * block_size))
     _router_decode_kernel[(B, KVH, num_splits)](
@@ -430,7 +356,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=block_n, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
-        OBSERVE=observe, PREFETCH=bool(prefetch and prefetch[0]), INTERPRET=INTERPRET, PDL=on, num_warps=warps, num_stages=stages,
+        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, num_warps=warps, num_stages=stages,
         **pdl.launch_options(on))
     out = merge_splits(out, part_o, part_lse, num_splits, on)
     return out
