@@ -153,16 +153,16 @@ def load_model(model_dir: str, device: torch.device, dtype: torch.dtype, int4_ff
     int4_ffn quantizes the FFN projections (with int4_all, every linear layer) at load time unless
     the engine directory already holds INT4 modules (then its own modules and group size stand).
     """
-    mapped = []  # INT4/INT8 tensors read from the engine file (mmap), packed into copies by instantiate
+    mapped = []  # INT4/INT8 tensors (and INT4 scales) read from the engine file (mmap), packed into copies
     if is_engine_dir(model_dir):
         args, state, group, stored = _engine_state(model_dir, dtype, int4_ffn, int4_group_size, int4_all)
-        mapped = [state[f"{name}.qweight"] for name in stored]
+        mapped = [state[f"{name}.{part}"] for name in stored for part in ("qweight", "scales_and_zeros")]
         mapped += [v for k, v in state.items() if k.endswith(".qweight8")]
     else:
         args = read_model_args(model_dir)
         group = int4_group_size if int4_ffn else None
         state = build_state_dict(args, load_tensors(model_dir), dtype, group, int4_all=int4_all)
-    # engine dir: drop each INT8 tensor's file pages as soon as it is packed, so they never pile up
+    # engine dir: drop each INT4/INT8 tensor's file pages as soon as it is packed, so they never pile up
     model = instantiate(args, state, device, group, release=_release_memory if mapped else None)
     if mapped:
         _release_memory(mapped)
@@ -214,7 +214,8 @@ def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size
 def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: int | None,
                 release: Callable[[list[torch.Tensor]], None] | None = None) -> Transformer:
     """Build the model on meta, swap in Int4Linear / Int8Linear where state holds INT4 / INT8, assign the
-    tensors; release([tensor]) after each INT8 layer is packed (engine dirs: drop its file pages)."""
+    tensors; release([tensor]) after each INT4 or INT8 layer is packed (engine dirs: drop its file pages, so
+    that the file's pages and the packed copies are never all resident at once)."""
     int4_names = sorted(k.removesuffix(".qweight") for k in state if k.endswith(".qweight"))
     int8_names = sorted(k.removesuffix(".qweight8") for k in state if k.endswith(".qweight8"))
     with on_meta():
@@ -229,6 +230,8 @@ def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: 
             module.load_quantized(state[name + ".qweight"].to(device), state[name + ".scales_and_zeros"].to(device))
         except (KeyError, ValueError) as exc:
             raise CheckpointError(f"INT4 weights of {name}: {exc}") from None
+        if release is not None:
+            release([state[name + ".qweight"], state[name + ".scales_and_zeros"]])
     if int8 and device.type != "cpu":
         raise CheckpointError(f"INT8 layers run on the CPU only; this engine cannot load on {device}")
     for name, module in int8.items():
