@@ -13,7 +13,6 @@ for one layer: codes [2 (K/V), slots, KVH, code_dim], scales [2, slots, KVH] flo
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -192,29 +191,30 @@ def _add_mass(row, idx, mask, p, H: tl.constexpr):
 
 
 @triton.jit
-def _observe(q, qf, k_new, lse, g_mask, start, end, j, j_end, with_self, meta, MAX_BLOCKS, k_cache_ptr, v_cache_ptr,
-             stride_slot, k_codes, k_scales, c_slot, c_head, s_slot, s_head, kvh, d, sm_scale, row, MASS_P,
-             H: tl.constexpr, HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-             CBLOCK_N: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
-    """Saliency observed inside the step: the attention probabilities exp(score - lse) the GQA group's
-    heads give keys [start, end) of the compacted full-precision table and compressed blocks [j, j_end)
-    (and with with_self the new token, full key `end`), their sum / H added to the step's mass rows
-    (row[:MASS_P]: the full-precision keys in compacted order, the new token after them; row[MASS_P:]:
-    the compressed keys). The scores are those of the attention pass, computed again the same way."""
-    n0 = start
-    while n0 < end:
-        offs, n_mask, s, _ = paged_scores(q, n0, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d,
+def _observe(q, qf, k_new, lse, g_mask, n_full, n_comp, meta, MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot,
+             k_codes, k_scales, c_slot, c_head, s_slot, s_head, kvh, d, sm_scale, row, MASS_P, H: tl.constexpr,
+             HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
+             NB: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
+    """Saliency observed inside the step (one key split, so lse is the row's final log-sum-exp): the
+    attention probabilities exp(score - lse) the GQA group's heads give the n_full keys of the compacted
+    full-precision table, the new token (full key n_full) and the n_comp compressed blocks, their sum / H
+    added to the step's mass rows (row[:MASS_P]: the full-precision keys in compacted order, the new
+    token after them; row[MASS_P:]: the compressed keys). The scores are those of the attention pass,
+    computed again the same way."""
+    n0 = n_full * 0  # a tensor: a loop counter must not change type in compiled code
+    while n0 < n_full:
+        offs, n_mask, s, _ = paged_scores(q, n0, n_full, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d,
                                           HD, KV_BLOCK, BLOCK_N, IEEE)
         p = tl.where(g_mask[:, None] & n_mask[None, :], tl.exp(s * sm_scale - lse[:, None]), 0.0)
         _add_mass(row, offs, n_mask, p, H)
         n0 += BLOCK_N
-    if with_self:
-        s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale  # as attend_self
-        one = tl.arange(0, 1)
-        p_self = tl.where(g_mask, tl.exp(s_self - lse), 0.0)
-        _add_mass(row, tl.load(meta + 3) + one, one < 1, p_self[:, None], H)
-    while j < j_end:
-        n_mask, _, s = _cblock_scores(qf, j, j_end, meta + 5 + MAX_BLOCKS, k_codes, k_scales, kvh, d, c_slot, c_head,
+    s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale  # as attend_self
+    one = tl.arange(0, 1)
+    p_self = tl.where(g_mask, tl.exp(s_self - lse), 0.0)
+    _add_mass(row, n_full + one, one < 1, p_self[:, None], H)
+    j = n_comp * 0
+    while j < n_comp:
+        n_mask, _, s = _cblock_scores(qf, j, n_comp, meta + 5 + MAX_BLOCKS, k_codes, k_scales, kvh, d, c_slot, c_head,
                                       s_slot, s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
         p = tl.where(g_mask[:, None] & n_mask[None, :], tl.exp(s - lse[:, None]), 0.0)
         _add_mass(row + MASS_P, j * KV_BLOCK + tl.arange(0, CBLOCK_N), n_mask, p, H)
@@ -299,9 +299,8 @@ def _router_decode_kernel(
     l_all = l_sum * w_f + l_c * w_c
     acc_all = acc * w_f[:, None] + acc_c * w_c[:, None]
     if OBSERVE:  # one split: this program has seen every key, so the final lse is known
-        zero = tl.zeros_like(n_full)  # a tensor: the loop counters it starts must not change type (compiled)
-        _observe(q, qf, k_new, m_safe + tl.log(tl.where(l_all > 0, l_all, 1.0)), g_mask, zero, n_full, zero, n_comp,
-                 True, meta, MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot, k_codes, k_scales, c_slot, c_head,
+        _observe(q, qf, k_new, m_safe + tl.log(tl.where(l_all > 0, l_all, 1.0)), g_mask, n_full, n_comp, meta,
+                 MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot, k_codes, k_scales, c_slot, c_head,
                  s_slot, s_head, kvh, d, sm_scale, mass_ptr + (b * KVH + kvh) * 2 * MASS_P, MASS_P, H, HD,
                  KV_BLOCK, BLOCK_N, CBLOCK_N, NB, BITS, IEEE, dtype)
     store_rows(acc_all, l_all, m_safe, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr,
