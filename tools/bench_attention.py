@@ -73,25 +73,11 @@ def setup(case: str, B: int, ctx: int, H: int, KVH: int, hd: int, bs: int, dtype
 
 
 def time_call(fn, calls: int = 50, replays: int = 10) -> float:
-    """µs a call: fn captured `calls` times in a CUDA graph, replayed; the median of 5 timings."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (calls * replays))
-    return statistics.median(times)
+    """µs a call: fn captured `calls` times in a CUDA graph (bench_gemv.time_graph), replayed `replays`
+    times; the median of 5 timings."""
+    from bench_gemv import time_graph
+
+    return statistics.median(time_graph(lambda _: fn(), [None] * calls, replays) for _ in range(5))
 
 
 def run_case(case: str, a, H: int, KVH: int, hd: int, configs) -> list[dict]:
