@@ -106,6 +106,32 @@ def run_case(case: str, a, H: int, KVH: int, hd: int, configs) -> list[dict]:
     return rows
 
 
+def plot(result: dict, path: str) -> None:
+    """µs a layer against key splits: one panel per case, one line per tiling (the engine's plan: None)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r["case"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 3.6), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        rows = [r for r in result["rows"] if r["case"] == case and "us" in r]
+        for config in dict.fromkeys(str(r["config"]) for r in rows):
+            pts = sorted((r["splits"], r["us"]) for r in rows if str(r["config"]) == config)
+            label = "as planned then" if config == "None" else config
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-" if len(pts) > 1 else "s", label=label)
+        ax.set_title(case)
+        ax.set_xlabel("key splits")
+        ax.set_ylabel("µs a layer")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"decode attention, {result['shape']}, {result['batch']} x {result['context']} tokens, "
+                 f"{result['gpu']} (config: BLOCK_N, [compressed keys a tile,] warps, stages)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
@@ -120,7 +146,13 @@ def main() -> None:
                     help="router cases: also these tilings at the planned splits, a JSON list of "
                          "[BLOCK_N, compressed keys a tile, warps, stages]")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="PNG of µs a layer against key splits, one line per tiling")
+    ap.add_argument("--from-json", default=None, help="plot an earlier --json instead of measuring")
     a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as fh:
+            plot(json.load(fh), a.plot)
+        return
     from o3edge.engine.cuda_graph import attention_splits
     from o3edge.engine.kernels import num_sms
 
@@ -147,6 +179,8 @@ def main() -> None:
         if a.json:
             with open(a.json, "w") as fh:
                 json.dump(result, fh, indent=1)
+    if a.plot:
+        plot(result, a.plot)
     for case in a.cases.split(","):
         ok = [r for r in result["rows"] if r["case"] == case and "us" in r]
         if ok:
