@@ -46,8 +46,26 @@ def _rope_rows(x_ptr, rows, row_mask, d, cos, sin, HD: tl.constexpr, w_ptr, eps,
 
 
 @triton.jit
-def attend_block(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
-                 HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
+def attend_range(q, m, l_sum, acc, start, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
+                 HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype,
+                 INTERPRET: tl.constexpr):
+    """Online softmax over keys start .. end, BLOCK_N a tile, read through the block table."""
+    if INTERPRET:  # the interpreter cannot take a tensor as a range bound; compiled code pipelines a for
+        n0 = start
+        while n0 < end:
+            m, l_sum, acc = _attend_block(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot,
+                                          kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m, l_sum, acc = _attend_block(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot,
+                                          kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+    return m, l_sum, acc
+
+
+@triton.jit
+def _attend_block(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
+                  HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
     """Online softmax over keys n0 .. n0+BLOCK_N (those below end), read through the block table."""
     offs, n_mask, s, v = paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
                                       KV_BLOCK, BLOCK_N, IEEE)
@@ -113,16 +131,8 @@ def _decode_attention_kernel(
 
     start, end = split_range(pos, split, NUM_SPLITS, BLOCK_N)  # of the pos keys cached before the new token
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
-    if INTERPRET:  # the interpreter cannot take a tensor as a range bound; compiled code pipelines a for
-        n0 = start
-        while n0 < end:
-            m, l_sum, acc = attend_block(q, m, l_sum, acc, n0, end, meta + 3, k_cache_ptr, v_cache_ptr, stride_slot,
-                                         kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
-            n0 += BLOCK_N
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            m, l_sum, acc = attend_block(q, m, l_sum, acc, n0, end, meta + 3, k_cache_ptr, v_cache_ptr, stride_slot,
-                                         kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+    m, l_sum, acc = attend_range(q, m, l_sum, acc, start, end, meta + 3, k_cache_ptr, v_cache_ptr, stride_slot, kvh,
+                                 sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype, INTERPRET)
     if split == 0:  # the new token attends to itself
         m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
     store_rows(acc, l_sum, m, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr, (b * H + kvh * G + g) * NUM_SPLITS

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from o3edge.engine.kernels import INTERPRET, pdl
-from o3edge.engine.kernels.decode_attention import (attend_block, attend_self, head_ranges, key_tile, new_token,
+from o3edge.engine.kernels.decode_attention import (attend_range, attend_self, head_ranges, key_tile, new_token,
                                                      paged_scores, softmax_init, softmax_step, split_range,
                                                      store_rows)
 
@@ -28,16 +28,6 @@ from o3edge.engine.kernels.decode_attention import (attend_block, attend_self, h
 def _load_dequant(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head,
                   HD: tl.constexpr, BITS: tl.constexpr):
     """[BLOCK_N, HD_PAD] float32 vectors of the given slots (rows outside n_mask: 0)."""
-    q, s = _load_codes(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD,
-                       BITS)
-    return q * s[:, None]
-
-
-@triton.jit
-def _load_codes(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head,
-                HD: tl.constexpr, BITS: tl.constexpr):
-    """The codes of the given slots as float32 [BLOCK_N, HD_PAD] (integers: exact in half precision too)
-    and their scales [BLOCK_N] (rows outside n_mask: 0)."""
     mask = n_mask[:, None] & (d < HD)[None, :]
     base = slot[:, None] * stride_slot + kvh * stride_head
     if BITS == 8:
@@ -53,7 +43,7 @@ def _load_codes(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride
         nib = (byte >> ((d % 2) * 4)[None, :]) & 0xF
         q = tl.where(nib > 7, nib - 16, nib).to(tl.float32)
     s = tl.load(scales_ptr + slot * s_slot + kvh * s_head, mask=n_mask, other=0.0).to(tl.float32)
-    return q, s
+    return q * s[:, None]
 
 
 @triton.jit
@@ -256,16 +246,8 @@ def _router_decode_kernel(
     # the full-precision keys: this split's chunk of the compacted table
     start, end = split_range(n_full, split, NUM_SPLITS, BLOCK_N)
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
-    if INTERPRET:  # the interpreter cannot take a tensor as a range bound; compiled code pipelines a for
-        n0 = start
-        while n0 < end:
-            m, l_sum, acc = attend_block(q, m, l_sum, acc, n0, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot,
-                                         kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
-            n0 += BLOCK_N
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            m, l_sum, acc = attend_block(q, m, l_sum, acc, n0, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot,
-                                         kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+    m, l_sum, acc = attend_range(q, m, l_sum, acc, start, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh,
+                                 sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype, INTERPRET)
     if split == 0:  # the new token attends to itself
         m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
 
@@ -357,8 +339,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
         OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, num_warps=warps, num_stages=stages,
         **pdl.launch_options(on))
-    out = merge_splits(out, part_o, part_lse, num_splits, on)
-    return out
+    return merge_splits(out, part_o, part_lse, num_splits, on)
 
 
 def router_decode_reference(qkv, cos, sin, meta, k_cache, v_cache, codes, scales, rotation, mode, num_heads,
