@@ -153,18 +153,19 @@ def main() -> None:
         with open(a.from_json) as fh:
             plot(json.load(fh), a.plot)
         return
-    from o3edge.engine.cuda_graph import attention_splits
+    from o3edge.engine.cuda_graph import DecodeGraphs, attention_splits
+    from o3edge.engine.router_graph import RouterDecodeGraphs
     from o3edge.engine.kernels import num_sms
 
     H, KVH, hd = SHAPES[a.shape]
     sms = num_sms("cuda")
-    planned_of = {"off": attention_splits(a.batch, KVH, sms)}  # the router's graphs: two programs per SM
-    router_splits = attention_splits(a.batch, KVH, sms, per_sm=2)
+    full_splits = attention_splits(a.batch, KVH, sms, DecodeGraphs.ATTENTION_PER_SM)
+    router_splits = attention_splits(a.batch, KVH, sms, RouterDecodeGraphs.ATTENTION_PER_SM)
     result = dict(shape=a.shape, batch=a.batch, context=a.context, block_size=a.block_size, dtype=a.dtype,
-                  gpu=torch.cuda.get_device_name(), planned_splits=planned_of["off"], router_splits=router_splits,
+                  gpu=torch.cuda.get_device_name(), planned_splits=full_splits, router_splits=router_splits,
                   rows=[])
     for case in a.cases.split(","):
-        planned = planned_of.get(case, router_splits)
+        planned = full_splits if case == "off" else router_splits
         configs = [(planned, None)] + [(int(x), None) for x in (a.splits or "").split(",") if x]
         if a.configs and case != "off":
             configs += [(planned, tuple(c)) for c in json.loads(a.configs)]

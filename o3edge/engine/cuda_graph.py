@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 MAX_SPLITS = 32
 
 
-def attention_splits(batch: int, kv_heads: int, num_sms: int, per_sm: int = 8) -> int:
+def attention_splits(batch: int, kv_heads: int, num_sms: int, per_sm: int) -> int:
     """Key-axis splits for a batch bucket: about per_sm programs per SM, one split once the batch fills the
     SMs. Decode attention is bound by memory latency, so more programs keep more loads in flight: on the
     H200, llama-1b at 16 sequences of 4,096 tokens (128 programs a split), a layer took 56.9 us at 3 splits
@@ -74,6 +74,8 @@ class DecodeGraphs:
     will write again, into slots of blocks they held and that no cached prefix shares.
     """
 
+    ATTENTION_PER_SM = 8  # attention programs per SM that the key splits aim for (attention_splits)
+
     def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
         self.runner, self.capture = runner, capture
         self.launch_ahead = capture if launch_ahead is None else launch_ahead
@@ -83,7 +85,8 @@ class DecodeGraphs:
         self.batch_buckets = buckets(max_batch, 1)
         B, dev = self.batch_buckets[-1], runner.device
         sms = num_sms(str(dev))
-        self.splits = {b: attention_splits(b, runner.args.num_kv_heads, sms) for b in self.batch_buckets}
+        self.splits = {b: attention_splits(b, runner.args.num_kv_heads, sms, self.ATTENTION_PER_SM)
+                       for b in self.batch_buckets}
         pinned = dev.type == "cuda"
         width = self.meta_columns()
         self.meta = torch.zeros(B, width, dtype=torch.int32, device=dev)

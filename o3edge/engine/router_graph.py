@@ -26,21 +26,20 @@ import functools
 
 import torch
 
-from o3edge.engine.cuda_graph import DecodeGraphs, attention_splits, capture_graphs
+from o3edge.engine.cuda_graph import DecodeGraphs, capture_graphs
 from o3edge.engine.decode_step import decode_forward
-from o3edge.engine.kernels import num_sms
 
 
 class RouterDecodeGraphs(DecodeGraphs):
     """DecodeGraphs for a router-on runner (runner.router is the KVRouter)."""
 
+    # two programs per SM: the two-pool kernel holds more registers, and on the H200 (llama-1b, 16
+    # sequences at 4,096 tokens) it ran faster in 3 key splits than in 9: uniform INT8 49.0 against 54.2
+    # us a layer, INT4 92.2 against 101.1 (tools/bench_attention.py, docs/results/gpu-2026-12-01c/)
+    ATTENTION_PER_SM = 2
+
     def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
         super().__init__(runner, max_batch, capture, launch_ahead)
-        # two programs per SM: the two-pool kernel holds more registers, and on the H200 (llama-1b, 16
-        # sequences at 4,096 tokens) it ran faster in 3 key splits than in 9: uniform INT8 49.0 against 54.2
-        # us a layer, INT4 92.2 against 101.1 (tools/bench_attention.py, docs/results/gpu-2026-12-01c/)
-        sms = num_sms(str(runner.device))
-        self.splits = {b: attention_splits(b, runner.args.num_kv_heads, sms, per_sm=2) for b in self.batch_buckets}
         self.observe_graphs: dict = {}
         self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
         self.mass = None
