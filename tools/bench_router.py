@@ -122,6 +122,13 @@ def labels_of(a) -> list[str]:
     return a.only.split(",") if a.only else list(SETTINGS)
 
 
+def free_device_memory() -> None:
+    """After a setting's engine is dropped: collect it, and give its KV pool back to the GPU."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def bytes_per_token(eng: LLMEngine, mode: str, full_share: float, elem: int = 2) -> float:
     """KV bytes per token with full-precision tokens stored at `elem` bytes (bf16: 2)."""
     a = eng.info.args
@@ -287,9 +294,7 @@ def quality(a) -> dict:
         save(a, result, partial=True)
         if eng is not ref:
             del eng  # free its KV pool before the next setting's engine takes one
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_device_memory()
     return result
 
 
@@ -305,7 +310,7 @@ def gpu(a) -> dict:
     # blocks for the whole batch at full precision, plus a tenth: the router's scale tables come out of
     # the same budget, and a setting that demotes nothing (random weights) must not preempt either
     budget = (a.batch * (a.context + a.steps + 64) // 32 + 8) * 11 // 10
-    labels = [x for x in (a.only.split(",") if a.only else SETTINGS) if x != "off"]
+    labels = [x for x in labels_of(a) if x != "off"]
     runs = [("off (CUDA graphs)", "off", True)]
     runs += [(f"{label} (CUDA graphs)", label, True) for label in labels]
     if a.eager:
@@ -335,12 +340,12 @@ def gpu(a) -> dict:
         rows[name] = {"decode_tokens_per_s": round(n / dt, 1), "decode_tokens": n,
                       "kv_bytes_per_token": st.get("kv_bytes_per_token"),
                       "compressed_share": st.get("kv_tokens_compressed_share", 0.0),
-                      "preemptions": st.get("preemptions"), "steps": len(steps), "step_ms_p50": round(q[0], 3), "step_ms_p90": round(q[1], 3),
-                      "step_ms_p99": round(q[2], 3), "step_ms_max": round(max(steps), 3),
+                      "preemptions": st.get("preemptions"), "steps": len(steps), "step_ms_p50": round(q[0], 3),
+                      "step_ms_p90": round(q[1], 3), "step_ms_p99": round(q[2], 3), "step_ms_max": round(max(steps), 3),
                       "step_ms_sum_top_16th": round(sum(sorted(steps)[-max(1, len(steps) // 16):]), 2)}
         print(name, rows[name], flush=True)
         del eng
-        torch.cuda.empty_cache()
+        free_device_memory()
     return {"mode": "gpu-decode", "shape": a.shape, "context": a.context, "batch": a.batch, "steps": a.steps,
             "device": torch.cuda.get_device_name(), "results": rows}
 
@@ -378,9 +383,7 @@ def capacity(a) -> dict:
                        "seconds": round(time.perf_counter() - t0, 1)}
         print(label, rows[label], flush=True)
         del eng
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
     return {"mode": f"{where['device'].split(':')[0]}-capacity", **where,
             "model": os.path.basename(model_dir), "sequences": a.capacity_seqs,
             "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,

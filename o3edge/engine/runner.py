@@ -67,7 +67,8 @@ class ModelRunner:
     def enable_router(self, cfg, graph_batch: int = 0) -> None:
         """Token router on (engine/router.py): steps run the model's eager forward, attention over both
         KV pools; with graph_batch (CUDA), decode steps of up to that many sequences replay CUDA graphs
-        (router_graph.py; refresh steps observe saliency inside their own graphs). The CPU span path and prefill graphs are not used."""
+        (router_graph.py; refresh steps observe saliency inside their own graphs). The CPU span path and
+        prefill graphs are not used."""
         from o3edge.engine.router import KVRouter
 
         full = self.block_bytes(self.args, self.block_size, self.dtype) // self.block_size
