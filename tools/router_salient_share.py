@@ -58,14 +58,16 @@ def main() -> None:
         for t in thresholds:
             keep = salient_rows([sal], t)[0]
             holds = holding_blocks([sal], t, eng.blocks.block_size)[0]
-            rows.append({"prompt": i, "context": ctx, "threshold": t, "salient_tokens": round(float(keep.float().mean()), 4),
+            rows.append({"prompt": i, "context": ctx, "threshold": t,
+                         "salient_tokens": round(float(keep.float().mean()), 4),
                          "blocks_holding_one": round(sum(holds) / len(holds), 4)})
             print(rows[-1], flush=True)
         eng.abort(str(i))
     summary = {}
     for t in thresholds:
         mine = [r for r in rows if r["threshold"] == t]
-        summary[str(t)] = {k: round(sum(r[k] for r in mine) / len(mine), 4) for k in ("salient_tokens", "blocks_holding_one")}
+        summary[str(t)] = {k: round(sum(r[k] for r in mine) / len(mine), 4)
+                           for k in ("salient_tokens", "blocks_holding_one")}
     out = {"model": os.path.basename(model), "prompts": a.prompts, "prompt_tokens": a.prompt_tokens,
            "decode": a.decode, "block_size": eng.blocks.block_size, "rows": rows, "mean": summary}
     print(json.dumps(summary))
