@@ -99,8 +99,8 @@ Tensor int4_linear(const Tensor& x_in, const Tensor& packed, const Tensor& scale
   auto out = at::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const at::BFloat16* sp = scales.data_ptr<at::BFloat16>();
-  const at::BFloat16* zp = zeros.data_ptr<at::BFloat16>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());  // the bf16 bits
+  const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
   const int64_t blocks = N / 16, octets = Kp / 8, per_group = G / 8;
   const int64_t grain = std::max<int64_t>(1, (int64_t)(16384 / std::max<int64_t>(1, Kp)));  // ~16 KB of weights per task
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {

@@ -1,7 +1,12 @@
-// o3edge's VNNI row kernels, shared by the per-layer operators (cpu_kernels.cpp) and the decode step (cpu_step.cpp)
+// o3edge's VNNI row kernels, shared by the per-layer operators (cpu_kernels.cpp) and the decode step (cpu_core.cpp).
+// Free of ATen: the step is also built without torch (native_lib.py), so bf16 travels as its uint16 bits.
 #pragma once
-#include <ATen/ATen.h>
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 
 // max |x[i]|, i < n
 static inline float abs_max(const float* x, int64_t n) {
@@ -16,10 +21,10 @@ static inline float abs_max(const float* x, int64_t n) {
 // ---- INT4 weights x INT8 activations (AVX-512 VNNI) ------------------------------------------------------
 // Weight layout ("rows16"): packed uint8 [N/16, Kp/8, 64]; in the 64 bytes of row block rb and k-octet o, byte
 // r*4 + j holds row rb*16+r: column 8o+j in the low nibble, column 8o+4+j in the high one (q in 0..15).
-// scales, zeros: bf16 [Kp/G, N]; w = (q - 8) * scale + zero (o3edge/engine/quant.py's scheme).
+// scales, zeros: bf16 bits (uint16) [Kp/G, N]; w = (q - 8) * scale + zero (o3edge/engine/quant.py's scheme).
 // Activations are quantized per group of G columns to int8 (symmetric, scale max|x|/127) on entry.
 
-static inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
+static inline __m512 bf16x16_to_f32(const uint16_t* p) {
   __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
@@ -27,7 +32,7 @@ static inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
 // MB activation rows m0.. against one block of 16 weight rows: each weight load and unpack serves MB rows
 template <int MB>
 static inline void int4_rows(const uint8_t* wb, const int8_t* xq, const float* xs, const int32_t* xsum,
-                             const at::BFloat16* sp, const at::BFloat16* zp, float* op, int64_t m0, int64_t rb,
+                             const uint16_t* sp, const uint16_t* zp, float* op, int64_t m0, int64_t rb,
                              int64_t N, int64_t Kp, int64_t NG, int64_t per_group, bool add = false) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
   __m512 acc[MB];
@@ -103,7 +108,10 @@ static inline void int8_rows(const int8_t* wb, const uint8_t* xu, const float* x
   const __m512 s = _mm512_loadu_ps(sp + rb * 16);
   for (int i = 0; i < MB; ++i) {
     float* o = op + (m0 + i) * N + rb * 16;
-    const __m512 y = _mm512_mul_ps(acc[i], s);
+    __m512 y = _mm512_mul_ps(acc[i], s);
+    // y opaque to the optimizer: GCC's -ffp-contract=fast fused the residual add into an FMA for some MB and not
+    // for others, so a row's result depended on how many rows came with it (a prompt chunk vs token by token)
+    __asm__("" : "+v"(y));
     _mm512_storeu_ps(o, add ? _mm512_add_ps(_mm512_loadu_ps(o), y) : y);
   }
 }
