@@ -13,7 +13,7 @@ from o3edge.errors import ConfigError
 from o3edge.policy import Policy
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-BACKENDS = ("torch", "onnxruntime")
+BACKENDS = ("torch", "onnxruntime", "native")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # group sizes the INT4 packers and kernels take
 
 
@@ -49,11 +49,11 @@ class O3Config:
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     batch_window_ms: int = 0  # with an idle engine, wait up to this long for min_batch_size requests
     min_batch_size: int = 1
-    num_threads: int | None = None  # CPU threads for torch; None: physical cores, at most 8 (cpu_decode.py)
+    num_threads: int | None = None  # CPU threads; None: physical cores, at most 8 (threads.py)
     cpu_compile: bool = False  # CPU quantized engines: decode through a torch.compile'd step (cpu_compiled.py)
     cpu_native_step: bool = True  # CPU VNNI engines: decode as one C++ call (cpu_step.py); before cpu_compile
     seed: int = 0
-    backend: str = "torch"  # "onnxruntime": serve an `o3edge export` directory through ONNX Runtime
+    backend: str = "torch"  # "onnxruntime": an `o3edge export` directory; "native": CPU engine dirs without torch
     policy: Policy = field(default_factory=Policy)  # classes, queue bounds, request limits (o3edge.policy)
 
     def __post_init__(self):

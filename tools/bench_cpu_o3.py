@@ -2,14 +2,16 @@
 """o3edge's side of the CPU peer benchmark: one engine, batch 1, greedy, in its own process.
 
   python tools/bench_cpu_o3.py ENGINE_OR_CKPT PROMPT.json [--runs 3] [--warmup 1] [--new 128] [--threads 2]
-                               [--dtype auto] [--out result.json] [--profile N]
+                               [--dtype auto] [--out result.json] [--profile N] [--backend native]
 
 The same definitions as ../shared/peers/cpu/bench_llamacpp.py, timed from outside the engine (the
 caller's loop around `LLMEngine.step`): per run, t0 before `add_request`; TTFT = the first token's
 arrival - t0 (prefill + first sample); decode tok/s = (new - 1) / (last token - first token). Each run
 uses a distinct prompt (the peers' prompt rotated by 16 tokens per run) so no prefix-cache hit helps;
 llama.cpp resets its cache between runs instead. Peak RSS = ru_maxrss of this process (interpreter,
-torch and model). With --profile N, the torch profiler's top N ops of 20 decode steps go in the JSON.
+torch where the backend loads it, and model). With --profile N, the torch profiler's top N ops of 20
+decode steps go in the JSON (torch backend only). --backend native: the engine without torch
+(native_runner.py); this process then never imports it (checked, and recorded as torch_loaded).
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ def profile_steps(engine, prompt: list[int], top: int) -> list[dict]:
 
 
 def step_kind(engine) -> str:
-    """Which decode step the engine runs: native (cpu_step.py), compiled (cpu_compiled.py) or eager."""
+    """Which decode step the engine runs: the native backend (native_runner.py), native (cpu_step.py),
+    compiled (cpu_compiled.py) or eager."""
+    if engine.config.backend == "native":
+        return "native backend"
     cd = getattr(engine.runner, "cpu_decode", None)
     return "eager" if cd is None else "native" if cd.native else "compiled" if cd.compiled else "eager"
 
@@ -78,6 +83,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--compile", action="store_true", help="[engine] cpu_compile: the compiled decode step")
     ap.add_argument("--no-native", action="store_true", help="[engine] cpu_native_step = false")
+    ap.add_argument("--backend", default="torch", choices=("torch", "native"), help="[engine] backend")
     ap.add_argument("--out")
     a = ap.parse_args()
     prompt = json.load(open(a.prompt))
@@ -85,10 +91,8 @@ def main() -> None:
     t = time.perf_counter()
     from o3edge import O3Config, O3Model
 
-    import torch
-
     engine = O3Model.from_config(O3Config(model_path=a.model, device="cpu", dtype=a.dtype, num_threads=a.threads,
-                                          kv_cache_memory_mb=64, max_model_len=1024,
+                                          kv_cache_memory_mb=64, max_model_len=1024, backend=a.backend,
                                           cpu_compile=a.compile, cpu_native_step=not a.no_native)).engine
     load_s = time.perf_counter() - t
     rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -104,10 +108,14 @@ def main() -> None:
                model=os.path.abspath(a.model), prompt_len=len(prompt), new_tokens=a.new, threads=a.threads,
                dtype=engine.info.dtype, timing="wall clock (perf_counter) around add_request + LLMEngine.step",
                load_s=load_s, cpu_compile=a.compile, cpu_native_step=not a.no_native, step=step_kind(engine), rss_after_load_mb=rss_after_load, peak_rss_mb=peak,
-               loadavg_start=load0, loadavg_end=os.getloadavg(), torch=torch.__version__,
+               loadavg_start=load0, loadavg_end=os.getloadavg(), backend=a.backend, torch_loaded="torch" in sys.modules,
                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),
-               capability=torch.backends.cpu.get_cpu_capability(), summary=summary, runs=runs)
-    if a.profile:
+               summary=summary, runs=runs)
+    if "torch" in sys.modules:
+        import torch
+
+        res.update(torch=torch.__version__, capability=torch.backends.cpu.get_cpu_capability())
+    if a.profile and a.backend == "torch":
         res["profile"] = profile_steps(engine, prompt[::-1], a.profile)  # a prompt no run used: no cache hit
     js = json.dumps(res, indent=1)
     if a.out:

@@ -5,7 +5,9 @@
 # definitions: batch 1, 2 threads, the peers' 128-token prompt, 128 greedy tokens, 1 warm-up + 3 timed runs,
 # whole generations timed from outside the engine, peak RSS of the process. PASSES rounds, each system once
 # per round, so slow phases of this shared machine hit every system alike.
-# Usage: [PASSES=3] [THREADS=2] [FP32=1] [COMPILE=0] bash tools/bench_cpu_peers.sh [OUT_DIR] [JSON]
+# Usage: [PASSES=3] [THREADS=2] [FP32=1] [COMPILE=0] [NATIVE=1] bash tools/bench_cpu_peers.sh [OUT_DIR] [JSON]
+#   NATIVE=1 (default): the cpu-int4-all and cpu-int4 engines also on [engine] backend = "native" (no torch in
+#   the process: native_runner.py)
 #   The cpu-int8 and cpu-int4 rows run the engine's default decode step (the native one, cpu_step.py, where it
 #   applies). FP32=0: no float32 row; COMPILE=1: cpu-int8 and cpu-int4 rows with [engine] cpu_compile and the
 #   native step off (their load includes compiling or loading the Inductor cache, which is not timed in the table)
@@ -41,9 +43,11 @@ for p in $(seq 1 "$PASSES"); do
   llama "llama.cpp Q8_0" Q8_0 "$p"
   o3 "o3edge cpu-int4" "$WORK/o3/smol-135m-cpu-int4" "$p"
   o3 "o3edge cpu-int4-all" "$WORK/o3/smol-135m-cpu-int4-all" "$p"
+  [ "${NATIVE:-1}" = 0 ] || o3 "o3edge cpu-int4-all native" "$WORK/o3/smol-135m-cpu-int4-all" "$p" --backend native
+  [ "${NATIVE:-1}" = 0 ] || o3 "o3edge cpu-int4 native" "$WORK/o3/smol-135m-cpu-int4" "$p" --backend native
   [ "${COMPILE:-0}" = 0 ] || o3 "o3edge cpu-int8 compiled" "$WORK/o3/smol-135m-cpu-int8" "$p" --compile --no-native
   [ "${COMPILE:-0}" = 0 ] || o3 "o3edge cpu-int4 compiled" "$WORK/o3/smol-135m-cpu-int4" "$p" --compile --no-native
   [ "${FP32:-1}" = 0 ] || o3 "o3edge fp32" "$CKPT" "$p"
 done
 $PY "$HERE/bench_cpu_report.py" "$OUT" --json "$JSON" \
-  --command "PASSES=$PASSES THREADS=$THREADS FP32=${FP32:-1} COMPILE=${COMPILE:-0} bash tools/bench_cpu_peers.sh" | tee "$OUT/table.md"
+  --command "PASSES=$PASSES THREADS=$THREADS FP32=${FP32:-1} COMPILE=${COMPILE:-0} NATIVE=${NATIVE:-1} bash tools/bench_cpu_peers.sh" | tee "$OUT/table.md"

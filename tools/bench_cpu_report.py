@@ -20,7 +20,7 @@ import statistics
 from machine_info import cpu_name  # tools/, this script's own folder
 
 ORDER = ["llama.cpp Q4_0", "llama.cpp Q8_0", "o3edge cpu-int8", "o3edge cpu-int8 compiled", "o3edge cpu-int4",
-         "o3edge cpu-int4-all", "o3edge fp32"]
+         "o3edge cpu-int4-all", "o3edge cpu-int4 native", "o3edge cpu-int4-all native", "o3edge fp32"]
 
 
 def load(out: str) -> dict[str, list[dict]]:

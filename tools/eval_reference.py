@@ -2,7 +2,7 @@
 """Held-out quality of the reference model under each engine precision, against FP32 and transformers.
 
   python tools/eval_reference.py [--model DIR] [--tokens 20000] [--window 512] [--write docs/benchmarks.md]
-                                 [--preset cpu-int8 cpu-int4] [--only FP32 ...]
+                                 [--preset cpu-int8 cpu-int4] [--native] [--only FP32 ...]
 
 The held-out documentation pages of tools/reference_corpus.py (never trained on) are tokenized,
 joined by <|endoftext|>, cut to --tokens and split into windows of --window tokens. Every engine
@@ -63,10 +63,11 @@ def held_out_windows(tokenizer, data: str | None, num_tokens: int, window: int) 
 
 def make_engine(model_dir: str, dtype: str, group: int | None, window: int) -> LLMEngine | None:
     """An engine for one variant, or None when this build cannot make it (INT4 not yet there, say)."""
-    if dtype.startswith("preset:"):  # an engine directory built with `o3edge build --preset`
-        model_dir, dtype = dtype.removeprefix("preset:"), "auto"
+    backend = "native" if dtype.startswith("native:") else "torch"  # the same directory, served without torch
+    if dtype.startswith(("preset:", "native:")):  # an engine directory built with `o3edge build --preset`
+        model_dir, dtype = dtype.split(":", 1)[1], "auto"
     cfg = O3Config(model_path=model_dir, device="cpu", dtype=dtype, int4_ffn=group is not None,
-                   int4_group_size=group or 128, num_kv_blocks=window // 32 + 2, cuda_graphs=False)
+                   int4_group_size=group or 128, num_kv_blocks=window // 32 + 2, cuda_graphs=False, backend=backend)
     try:
         engine = LLMEngine(cfg, model_dir)
     except Exception as exc:  # noqa: BLE001 - any failure means "not available", reported as such
@@ -124,8 +125,8 @@ def evaluate(model_dir: str, wins: list[list[int]], window: int, with_hf: bool =
     for i, ids in enumerate(wins):
         ref = engines[0][1].score(ids)
         for label, engine in engines:
-            if engine is not None:
-                tallies[label].add(engine.score(ids).float(), ref, ids)
+            if engine is not None:  # the native backend's scores are NumPy arrays
+                tallies[label].add(torch.as_tensor(engine.score(ids)).float(), ref, ids)
         if hf is not None:
             theirs = hf(ids)
             hf_tally.add(theirs, ref, ids)
@@ -192,6 +193,8 @@ def main(argv=None):
     ap.add_argument("--write", default=None, help="markdown file to put the table in (e.g. docs/benchmarks.md)")
     ap.add_argument("--preset", nargs="*", default=[], choices=("cpu-int8", "cpu-int4", "cpu-int4-all"),
                     help="also score engine directories built with `o3edge build --preset` (built in a temp dir)")
+    ap.add_argument("--native", action="store_true",
+                    help="also score each --preset directory on [engine] backend = \"native\" (no torch in its step)")
     ap.add_argument("--only", nargs="*", default=None, help="score only these variant labels (FP32 always)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
@@ -210,6 +213,8 @@ def main(argv=None):
         out = os.path.join(tmp.name, preset)
         build_engine_dir(model_dir, out, torch.float32, None, preset=preset)
         variants.append((f"preset {preset}", f"preset:{out}", None))
+        if a.native:
+            variants.append((f"preset {preset}, native backend", f"native:{out}", None))
     rows, max_diff = evaluate(model_dir, wins, a.window, not a.no_transformers, variants)
     tmp.cleanup()
     meta = dict(model=os.path.relpath(model_dir, REPO) if model_dir.startswith(REPO) else model_dir,

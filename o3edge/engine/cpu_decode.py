@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 
 import torch
 
@@ -101,20 +100,6 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     way adds to resident memory only as the cache fills (torch.zeros writes every page up front)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
-
-
-def default_num_threads(limit: int = 8) -> int:
-    """Physical cores this process may run on, at most `limit`: decode streams weights from memory, so
-    SMT siblings add barrier waits, not bandwidth, and past ~8 cores memory is the limit anyway."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    cores = set()
-    for cpu in cpus:
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as fh:
-                cores.add(fh.read().strip())
-        except OSError:
-            cores.add(str(cpu))
-    return max(1, min(limit, len(cores)))
 
 
 def rope_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ kernel, and the layout it wants, is picked when the engine loads (`pick_int8_ker
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -27,11 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from o3edge.engine.cpu_features import cpu_bf16, cpu_features  # noqa: F401 (cpu_bf16: for importers)
+from o3edge.engine.manifest import INT8_SCHEME
 from o3edge.engine.quant import can_quantize, quantizable, swap_modules
 
 log = logging.getLogger(__name__)
 
-SCHEME = "int8-sym-per-row"
+SCHEME = INT8_SCHEME
 SUFFIXES = (".qweight8", ".scales8")
 KERNELS = ("vnni", "fbgemm", "int8pack", "dense")
 
@@ -46,23 +47,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales.float()[:, None]
-
-
-@functools.cache
-def cpu_features() -> frozenset[str]:
-    """Instruction-set flags of this CPU that matter for the kernels (Linux; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            line = next((ln for ln in fh if ln.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.split(":", 1)[-1].split()) & {"avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
-                                                   "avx512_bf16", "amx_int8", "amx_bf16"}
-
-
-def cpu_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
-    return bool(cpu_features() & {"avx512_bf16", "amx_bf16"})
 
 
 def has_fbgemm() -> bool:

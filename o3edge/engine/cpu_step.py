@@ -23,6 +23,7 @@ import torch
 
 from o3edge.engine.cpu_quant import Int8Linear
 from o3edge.engine.quant import Int4Linear
+from o3edge.engine.threads import ThreadProbe
 
 
 def _linear(mod) -> tuple[list[torch.Tensor], list[int]] | None:
@@ -68,42 +69,16 @@ def build(model, kv_cache: torch.Tensor):
 
 class NativeDecode:
     """Call like cpu_decode.decode_forward: (input_ids, positions, cos, sin, step, kv_cache) -> logits [B, V].
-
-    Threads: all of torch's by default. The threads meet at ~150 barriers a step, so when another process holds
-    a core, each barrier can wait out a scheduler time slice and a step slows 10-100x (llama.cpp's threads do
-    the same). So the step times itself: every PROBE_EVERY steps, or at once when a step takes over twice the
-    fastest it has run, it tries the other thread count (one thread: no barriers) for one step and keeps
-    whichever is faster."""
-
-    PROBE_EVERY = 64
+    Threads: all of torch's by default, dropping to one while other processes hold the cores (threads.py)."""
 
     def __init__(self, native, threads: int | None = None):
         self.native = native
-        self.threads = threads or torch.get_num_threads()
-        self.use = self.threads  # thread count of the steps between probes
-        self.ema: dict[int, float] = {}  # seconds a step, per thread count
-        self.fastest = float("inf")
-        self.since_probe = 0
+        self.probe = ThreadProbe(threads or torch.get_num_threads())
 
     def __call__(self, input_ids, positions, cos_table, sin_table, step, kv_cache) -> torch.Tensor:
-        n = self.use
-        slow = self.since_probe >= 4 and self.ema.get(n, 0.0) > 2 * self.fastest
-        if self.threads > 1 and (self.since_probe >= self.PROBE_EVERY or slow):
-            n = 1 if self.use != 1 else self.threads
+        n = self.probe.pick()
         t = time.perf_counter()
         logits = self.native.step(input_ids, positions, step.slot_mapping, step.tables, step.block_size, cos_table,
                                   sin_table, kv_cache, n)
-        self._timed(n, time.perf_counter() - t)
+        self.probe.timed(n, time.perf_counter() - t)
         return logits
-
-    def _timed(self, n: int, seconds: float) -> None:
-        if n != self.use:  # a probe: switch when the other count is clearly faster now
-            self.since_probe = 0
-            self.ema[n] = seconds
-            if seconds < 0.8 * self.ema.get(self.use, float("inf")):
-                self.use, self.fastest = n, seconds
-            return
-        self.since_probe += 1
-        ema = self.ema.get(n)
-        self.ema[n] = seconds if ema is None else 0.7 * ema + 0.3 * seconds
-        self.fastest = min(self.fastest * 1.001, self.ema[n])  # forgets slowly: contexts grow

@@ -1,4 +1,8 @@
-"""The step-level engine: add requests, step, abort. No I/O; the daemon and O3Model drive it."""
+"""The step-level engine: add requests, step, abort. No I/O; the daemon and O3Model drive it.
+
+torch is imported only by the backends that run on it: `backend = "native"` (native_runner.py) serves a
+quantized CPU engine from a process that never loads it.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,15 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
+import numpy as np
 
 from o3edge.config import O3Config
 from o3edge.engine.block_manager import BlockManager
 from o3edge.engine.checkpoint import ModelArgs, fingerprint, read_model_args, weight_files
 from o3edge.engine.cold_tier import model_identity, open_cold_tier
-from o3edge.engine.cpu_decode import default_num_threads
-from o3edge.engine.cpu_quant import cpu_bf16, int8_tag
-from o3edge.engine.engine_dir import built_dtype
+from o3edge.engine.cpu_features import cpu_bf16
 from o3edge.engine.faults import MAX_FAILED_STEPS, is_fatal, recover
-from o3edge.engine.loader import load_model
-from o3edge.engine.quant import int4_tag
-from o3edge.engine.runner import ModelRunner
+from o3edge.engine.threads import default_num_threads
 from o3edge.engine.scheduler import Scheduler
 from o3edge.engine.sequence import Priority, SamplingParams, Sequence
 from o3edge.engine.tokenizer import Detokenizer, Tokenizer
@@ -75,16 +75,21 @@ class StepReport:
     tokens: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (prompt, generated)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str):
+    """The torch device to run on ("auto": CUDA where there is one)."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, built: torch.dtype | None = None) -> torch.dtype:
+def resolve_dtype(name: str, device, built=None):
     """The dtype to run in; "auto" takes an engine directory's built dtype when there is one, except a
     bfloat16 build on a CPU without native bf16 (no AVX512-BF16 or AMX), which runs in float32: dense
     bf16 products are emulated there and many times slower."""
+    import torch
+
     if name == "auto":
         if built == torch.bfloat16 and device.type == "cpu" and not cpu_bf16():
             return torch.float32
@@ -111,8 +116,8 @@ def token_array(ids, vocab: int) -> array | None:
         checked = array("i", ids)
     except (TypeError, OverflowError):  # OverflowError: beyond int32, so beyond any vocabulary
         return None
-    values = torch.frombuffer(checked, dtype=torch.int32)
-    return checked if values.min() >= 0 and values.max() < vocab else None
+    values = np.frombuffer(checked, dtype=np.int32)
+    return checked if len(values) and values.min() >= 0 and values.max() < vocab else None
 
 
 class LLMEngine:
@@ -121,47 +126,48 @@ class LLMEngine:
     def __init__(self, config: O3Config, model_dir: str):
         t0 = time.perf_counter()
         self.config = config
-        device = resolve_device(config.device)
-        if config.num_threads or device.type == "cpu":
-            torch.set_num_threads(config.num_threads or default_num_threads())
-        if device.type == "cpu":
-            torch.set_flush_denormal(True)  # x86 runs denormal floats in microcode: up to 4x slower steps
-        onnx = config.backend == "onnxruntime"
-        if onnx:  # an `o3edge export` directory, run by ONNX Runtime
-            from o3edge.export.ort_runner import OrtRunner, onnx_dtype, onnx_fingerprint
-
-            model, args, dtype, fp = None, read_model_args(model_dir), onnx_dtype(model_dir), onnx_fingerprint(model_dir)
+        onnx, native = config.backend == "onnxruntime", config.backend == "native"
+        if native:
+            manifest, fp = self._native_checks(config, model_dir)
+            model, args, device, dtype = None, manifest.args, "cpu", "float32"
         else:
-            dtype = resolve_dtype(config.dtype, device, built_dtype(model_dir))
-            model, args = load_model(model_dir, device, dtype, config.int4_ffn, config.int4_group_size,
-                                      config.int4_all)
-            fp = fingerprint(model_dir) + int4_tag(model) + int8_tag(model)  # quantized logits: not the same model
+            device, dtype, model, args, fp = self._torch_model(config, model_dir, onnx)
         self.tokenizer = Tokenizer(model_dir)
         max_len = min(config.max_model_len or min(args.max_position_embeddings, 4096), args.max_position_embeddings)
-        block_bytes = ModelRunner.block_bytes(args, config.kv_block_size, dtype)
+        if native:
+            from o3edge.engine.native_runner import kv_block_bytes
+
+            block_bytes = kv_block_bytes(args, config.kv_block_size)
+        else:
+            from o3edge.engine.runner import ModelRunner
+
+            block_bytes = ModelRunner.block_bytes(args, config.kv_block_size, dtype)
         num_blocks = config.num_kv_blocks or kv_blocks_needed(config, max_len, block_bytes)
         if config.kv_router != "off" and not onnx:  # the compressed pool's scales come out of the same budget
             from o3edge.engine.router import full_blocks_in_budget
 
             num_blocks = full_blocks_in_budget(num_blocks, block_bytes, config.kv_router, args.num_layers,
                                                args.num_kv_heads, args.head_dim, config.kv_block_size, dtype.itemsize)
-        if onnx:
+        if native:
+            from o3edge.engine.native_runner import NativeRunner
+
+            self.runner = NativeRunner(manifest, num_blocks, config.kv_block_size, max_len,
+                                       config.num_threads or default_num_threads(), config.seed)
+        elif onnx:
+            from o3edge.export.ort_runner import OrtRunner
+
             self.runner = OrtRunner(model_dir, device, config.num_threads or default_num_threads(), config.seed)
         else:
             self.runner = ModelRunner(model, args, device, dtype, num_blocks, config.kv_block_size, max_len,
                                       config.seed)
         if onnx and config.kv_router != "off":
             raise ConfigError("the token router needs the torch backend ([kv] router = off for onnxruntime)")
-        if device.type == "cuda" and config.cuda_graphs and not onnx and config.kv_router == "off":
-            self.runner.enable_static_decode(config.max_num_seqs, capture=True,
-                                             max_prefill_tokens=config.max_num_batched_tokens)
-        native = device.type == "cpu" and config.cpu_native_step and not onnx and self.runner.enable_cpu_native()
-        if device.type == "cpu" and config.cpu_compile and not onnx and not native:
-            self.runner.enable_cpu_compile(config.max_num_seqs)
+        if not (onnx or native):
+            self._torch_steps(config, device)
         # ONNX Runtime keeps dense KV per sequence (the pool only budgets it): no prefix sharing, no cold tier
         prefix_reuse = config.dynamic_kv_cache and not onnx
         kv_shape = f"{args.num_layers}x2x{config.kv_block_size}x{args.num_kv_heads}x{args.head_dim}"
-        layout = f"{device.type}:{dtype}:{kv_shape}"  # what one block's bytes mean
+        layout = f"cpu:torch.float32:{kv_shape}" if native else f"{device.type}:{dtype}:{kv_shape}"  # a block's bytes
         identity = fp if onnx else model_identity(model_dir, fp, layout, weight_files(model_dir))
         if config.kv_router == "off" or onnx:
             self.blocks = BlockManager(num_blocks, config.kv_block_size, identity, prefix_reuse)
@@ -191,6 +197,56 @@ class LLMEngine:
         log.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
                  model_dir, device, self.info.dtype, num_blocks, config.kv_block_size,
                  self.info.kv_cache_bytes / 2**20, max_len)
+
+    @staticmethod
+    def _torch_model(config: O3Config, model_dir: str, onnx: bool):
+        """(device, dtype, model, args, fingerprint) of the torch and ONNX Runtime backends (torch imported here)."""
+        import torch
+
+        from o3edge.engine.cpu_quant import int8_tag
+        from o3edge.engine.engine_dir import built_dtype
+        from o3edge.engine.loader import load_model
+        from o3edge.engine.quant import int4_tag
+
+        device = resolve_device(config.device)
+        if config.num_threads or device.type == "cpu":
+            torch.set_num_threads(config.num_threads or default_num_threads())
+        if device.type == "cpu":
+            torch.set_flush_denormal(True)  # x86 runs denormal floats in microcode: up to 4x slower steps
+        if onnx:  # an `o3edge export` directory, run by ONNX Runtime
+            from o3edge.export.ort_runner import onnx_dtype, onnx_fingerprint
+
+            return device, onnx_dtype(model_dir), None, read_model_args(model_dir), onnx_fingerprint(model_dir)
+        dtype = resolve_dtype(config.dtype, device, built_dtype(model_dir))
+        model, args = load_model(model_dir, device, dtype, config.int4_ffn, config.int4_group_size, config.int4_all)
+        return device, dtype, model, args, fingerprint(model_dir) + int4_tag(model) + int8_tag(model)
+
+    @staticmethod
+    def _native_checks(config: O3Config, model_dir: str):
+        """(manifest, fingerprint) for backend = "native", or a ConfigError naming what it cannot do."""
+        from o3edge.engine import native_lib
+        from o3edge.engine.manifest import is_engine_dir, read_manifest
+
+        if config.device not in ("auto", "cpu"):
+            raise ConfigError(f'backend = "native" runs on the CPU; device {config.device!r} needs backend = "torch"')
+        if config.kv_router != "off":
+            raise ConfigError('the token router needs the torch backend ([kv] router = off for backend = "native")')
+        if not is_engine_dir(model_dir):
+            raise ConfigError(f'backend = "native" serves an engine directory; {model_dir} is a checkpoint: build one '
+                              "with `o3edge build SRC OUT --preset cpu-int4` (or cpu-int8, cpu-int4-all)")
+        if not native_lib.available():
+            raise ConfigError('backend = "native" needs an x86-64 CPU with AVX-512 VNNI and g++ to build its '
+                              "kernels; this machine lacks them (use backend = \"torch\")")
+        return read_manifest(model_dir), fingerprint(model_dir) + ":native"
+
+    def _torch_steps(self, config: O3Config, device) -> None:
+        """CUDA graphs, or the CPU's native or compiled decode step, where they apply."""
+        if device.type == "cuda" and config.cuda_graphs and config.kv_router == "off":
+            self.runner.enable_static_decode(config.max_num_seqs, capture=True,
+                                             max_prefill_tokens=config.max_num_batched_tokens)
+        native = device.type == "cpu" and config.cpu_native_step and self.runner.enable_cpu_native()
+        if device.type == "cpu" and config.cpu_compile and not native:
+            self.runner.enable_cpu_compile(config.max_num_seqs)
 
     def _cold_tier(self, config: O3Config, identity: str, block_bytes: int):
         """The shared-memory cold tier and its copier, hooked into the block manager; None when off."""
@@ -289,8 +345,9 @@ class LLMEngine:
             self.offloader.flush()  # its named blocks start on their way to the cold tier now, idle or not
         return True
 
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Float32 logits [len, V] for every position of a token sequence (perplexity, quality reports)."""
+    def score(self, token_ids: list[int]):
+        """Float32 logits [len, V] for every position of a token sequence (perplexity, quality reports): a torch
+        tensor, or a NumPy array on the native backend."""
         checked = self._check_prompt(token_ids)
         seq = Sequence("score", list(token_ids), SamplingParams(), prompt_array=checked)
         if self.scheduler.has_work() or not self.blocks.can_allocate(seq):

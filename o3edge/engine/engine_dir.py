@@ -11,9 +11,7 @@ Loading one is mmap + assign: no renaming, no fusing, no quantization.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import hashlib
 import json
 import os
 import platform
@@ -24,24 +22,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from o3edge.engine.checkpoint import ModelArgs, fingerprint, load_tensors, read_json, read_model_args
 from o3edge.engine import cpu_quant, gptq
-from o3edge.engine.quant import GROUP_SIZES, SCHEME
+from o3edge.engine.checkpoint import ModelArgs, fingerprint, load_tensors, read_json, read_model_args
+from o3edge.engine.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, REQUIRED, TOKENIZER_FILES,  # noqa: F401
+                                    WEIGHTS, Manifest, args_from_json, args_to_json, file_sha256, is_engine_dir,
+                                    read_manifest)
+from o3edge.engine.quant import SCHEME
 from o3edge.errors import CheckpointError
-
-FORMAT = "o3edge-engine"
-FORMAT_VERSION = 2  # 2: INT8 modules and CPU presets (written only by builds that use them)
-MANIFEST = "manifest.json"
-WEIGHTS = "model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                   "config.json", "special_tokens_map.json")
-REQUIRED = ("format", "format_version", "model_args", "dtype", "quantization", "weights", "tokenizer", "source",
-            "builder")
-
-
-def is_engine_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MANIFEST))
-
 
 def built_dtype(path: str) -> torch.dtype | None:
     """The dtype an engine directory was built in; None for a checkpoint (read_manifest checks the rest)."""
@@ -49,125 +36,6 @@ def built_dtype(path: str) -> torch.dtype | None:
         return None
     dtype = getattr(torch, str(read_json(os.path.join(path, MANIFEST)).get("dtype")), None)
     return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def args_to_json(args: ModelArgs) -> dict:
-    return dataclasses.asdict(args)
-
-
-def args_from_json(values: dict, where: str) -> ModelArgs:
-    """ModelArgs from the manifest, naming any field that is missing or unknown."""
-    names = {f.name for f in dataclasses.fields(ModelArgs)}
-    required = {f.name for f in dataclasses.fields(ModelArgs)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    missing, unknown = sorted(required - set(values)), sorted(set(values) - names)
-    if missing or unknown:
-        raise CheckpointError(f"{where}: model_args has missing field(s) {missing} / unknown field(s) {unknown}")
-    values = dict(values, eos_token_ids=tuple(values.get("eos_token_ids") or ()))
-    return ModelArgs(**values)
-
-
-@dataclasses.dataclass(frozen=True)
-class Manifest:
-    """A checked manifest.json; `raw` keeps every field (the precision report among them)."""
-
-    path: str
-    args: ModelArgs
-    dtype: torch.dtype
-    group_size: int | None  # None: no INT4
-    quantized: tuple[str, ...]  # INT4 module names, e.g. layers.0.mlp.gate_up
-    raw: dict
-    int8_modules: tuple[str, ...] = ()  # e.g. layers.0.attn.qkv, lm_head
-    preset: str | None = None
-
-    @property
-    def weights_path(self) -> str:
-        return os.path.join(self.path, self.raw["weights"]["file"])
-
-
-def read_manifest(engine_dir: str) -> Manifest:
-    """Read and check manifest.json, the weights file's size and the tokenizer's hash."""
-    where = os.path.join(engine_dir, MANIFEST)
-    raw = read_json(where)
-    missing = [k for k in REQUIRED if k not in raw]
-    if missing:
-        raise CheckpointError(f"{where}: missing field(s) {', '.join(missing)}")
-    if raw["format"] != FORMAT or not isinstance(raw["format_version"], int):
-        raise CheckpointError(f"{where}: not an {FORMAT} manifest (format {raw['format']!r})")
-    if raw["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(f"{where}: engine format version {raw['format_version']} is newer than this "
-                              f"o3edge reads ({FORMAT_VERSION}); upgrade o3edge or rebuild the engine")
-    args = args_from_json(_field(raw, "model_args", dict, where), where)
-    dtype = getattr(torch, str(raw["dtype"]), None)
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise CheckpointError(f"{where}: dtype {raw['dtype']!r} is not float32, float16 or bfloat16")
-    quant = raw["quantization"]
-    group, modules, int8, preset = _quantization(quant, where)
-    manifest = Manifest(engine_dir, args, dtype, group, modules, raw, int8, preset)
-    _check_weights(manifest, where)
-    _check_tokenizer(engine_dir, _field(raw, "tokenizer", dict, where), where)
-    return manifest
-
-
-def _field(raw: dict, key: str, kind: type, where: str):
-    if not isinstance(raw.get(key), kind):
-        raise CheckpointError(f"{where}: field {key!r} must be a {kind.__name__}")
-    return raw[key]
-
-
-def _quantization(quant, where: str) -> tuple[int | None, tuple[str, ...], tuple[str, ...], str | None]:
-    """(INT4 group size, INT4 modules, INT8 modules, preset). Version 1 holds the INT4 part at the
-    top level; version 2 has {"preset", "int4": {...} | null, "int8": {...} | null}."""
-    if quant is None:
-        return None, (), (), None
-    if not isinstance(quant, dict):
-        raise CheckpointError(f"{where}: quantization must be an object or null")
-    if "scheme" not in quant:  # version 2
-        group, modules, _, _ = _quantization(quant.get("int4"), where)
-        int8 = quant.get("int8")
-        if int8 is not None and (not isinstance(int8, dict) or int8.get("scheme") != cpu_quant.SCHEME
-                                 or not isinstance(int8.get("modules"), list)):
-            raise CheckpointError(f"{where}: quantization.int8 needs scheme {cpu_quant.SCHEME!r} and modules")
-        return group, modules, tuple(int8["modules"]) if int8 else (), quant.get("preset")
-    if any(k not in quant for k in ("scheme", "group_size", "modules")):
-        raise CheckpointError(f"{where}: quantization needs scheme, group_size and modules")
-    if quant["scheme"] != SCHEME or quant["group_size"] not in GROUP_SIZES:
-        raise CheckpointError(f"{where}: quantization {quant['scheme']!r} with group size "
-                              f"{quant['group_size']!r} is not supported ({SCHEME}, {GROUP_SIZES})")
-    return quant["group_size"], tuple(quant["modules"]), (), None
-
-
-def _check_weights(manifest: Manifest, where: str) -> None:
-    weights = _field(manifest.raw, "weights", dict, where)
-    if not isinstance(weights.get("file"), str) or not isinstance(weights.get("bytes"), int):
-        raise CheckpointError(f"{where}: weights needs 'file' and 'bytes'")
-    path = manifest.weights_path
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} not found")
-    size = os.path.getsize(path)
-    if size != weights["bytes"]:
-        raise CheckpointError(f"{path} has {size} bytes, the manifest says {weights['bytes']}: "
-                              f"the file is truncated or was replaced; rebuild the engine")
-
-
-def _check_tokenizer(engine_dir: str, tok: dict, where: str) -> None:
-    expected = tok.get("sha256")
-    if not isinstance(expected, str):
-        raise CheckpointError(f"{where}: tokenizer needs 'sha256' (of tokenizer.json)")
-    path = os.path.join(engine_dir, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} not found")
-    if file_sha256(path) != expected:
-        raise CheckpointError(f"{path} does not match the tokenizer the engine was built with "
-                              f"(sha256 differs from the manifest's)")
 
 
 def load_weights(manifest: Manifest) -> dict[str, torch.Tensor]:

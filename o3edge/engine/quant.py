@@ -21,10 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from o3edge.config import INT4_GROUP_SIZES as GROUP_SIZES
+from o3edge.engine.manifest import INT4_SCHEME
 
 log = logging.getLogger(__name__)
 
-SCHEME = "int4-asym-groupwise"
+SCHEME = INT4_SCHEME
 FFN_MODULES = ("mlp.gate_up", "mlp.down")
 INNER_K_TILES = 8  # CUDA: 8 k-tiles of 16 per 16-byte load, so K must be a multiple of 128
 _CUDA_K_MULTIPLE = INNER_K_TILES * 16

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from o3edge.engine import sampling_np
 from o3edge.engine.sequence import SamplingParams
 
 
@@ -60,10 +61,4 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 def pick_tokens(batch, logits: torch.Tensor, generator_for) -> list[int | None]:
     """A token for each (sequence, new tokens) row whose prompt this step finishes (None elsewhere)."""
-    done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
-    tokens: list[int | None] = [None] * len(batch)
-    if done:
-        seqs = [batch[i][0] for i in done]
-        for i, tok in zip(done, sample(logits[done], [s.params for s in seqs], [generator_for(s) for s in seqs])):
-            tokens[i] = tok
-    return tokens
+    return sampling_np.pick_tokens(batch, logits, generator_for, sample)

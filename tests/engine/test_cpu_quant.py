@@ -185,12 +185,12 @@ def test_contiguous_start_and_lazy_zeros():
 
 
 def test_default_thread_count_is_physical_cores_capped(monkeypatch):
-    from o3edge.engine import cpu_decode
+    from o3edge.engine.threads import default_num_threads
 
-    n = cpu_decode.default_num_threads()
+    n = default_num_threads()
     assert 1 <= n <= min(8, len(os.sched_getaffinity(0)))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
-    assert cpu_decode.default_num_threads() <= 8
+    assert default_num_threads() <= 8
 
 
 @pytest.mark.parametrize("variant", ["llama-tied", "qwen2-bias", "qwen3-qknorm"])

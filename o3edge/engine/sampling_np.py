@@ -1,0 +1,61 @@
+"""Choosing the next token from float32 logits in NumPy: the native backend's sampler (no torch).
+
+The same rules as sampling.py: temperature, then top-k, then top-p (the smallest set of tokens whose
+mass reaches top_p; the first always stays), and a row's randomness from its request's own generator
+through the "exponential race" (argmax of p / E, E exponential noise, is a draw from p), so a request's
+tokens depend on its seed alone, never on the rest of the batch. The generators differ from torch's, so
+a seed gives other (equally distributed) tokens on the torch backend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from o3edge.engine.sequence import SamplingParams
+
+
+def make_rng(params: SamplingParams, fallback_seed: int) -> np.random.Generator | None:
+    """A private random stream per request; None for greedy ones."""
+    if params.greedy:
+        return None
+    return np.random.default_rng(params.seed if params.seed is not None else fallback_seed)
+
+
+def sample(logits: np.ndarray, params: list[SamplingParams], rngs: list) -> list[int]:
+    """logits: [B, V] float32 -> one token id per row."""
+    tokens = logits.argmax(axis=-1).tolist()
+    for i, (p, rng) in enumerate(zip(params, rngs)):
+        if not p.greedy:
+            probs = filtered_probs(logits[i], p)
+            tokens[i] = int((probs / rng.exponential(size=probs.shape[0])).argmax())
+    return tokens
+
+
+def filtered_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """[V] probabilities of one row after temperature, top-k and top-p."""
+    x = logits.astype(np.float64) / p.temperature
+    V = x.shape[0]
+    if 0 < p.top_k < V:
+        kth = np.partition(x, V - p.top_k)[V - p.top_k]
+        x = np.where(x < kth, -np.inf, x)
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        ranked = probs[order]
+        drop = np.cumsum(ranked) - ranked >= p.top_p
+        probs[order[drop]] = 0.0
+    return probs
+
+
+def pick_tokens(batch, logits, generator_for, sample_rows=sample) -> list[int | None]:
+    """A token for each (sequence, new tokens) row whose prompt this step finishes (None elsewhere);
+    sample_rows(logits of those rows, their params, their generators) picks (sampling.py passes its own)."""
+    done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
+    tokens: list[int | None] = [None] * len(batch)
+    if done:
+        seqs = [batch[i][0] for i in done]
+        rows = logits if len(done) == len(batch) else logits[done]  # decodes: every row, no copy
+        for i, tok in zip(done, sample_rows(rows, [s.params for s in seqs], [generator_for(s) for s in seqs])):
+            tokens[i] = tok
+    return tokens
