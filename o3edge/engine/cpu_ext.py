@@ -21,12 +21,11 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
 
-from o3edge.engine.cpu_quant import cpu_features
+from o3edge.engine.cpu_features import why_no_vnni_kernels
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +33,6 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # the step: cpu_step.cpp binds cpu_core.cpp (which native_lib.py also builds without torch) for cpu_step.py
 SOURCES = [SOURCE, SOURCE.with_name("cpu_step.cpp"), SOURCE.with_name("cpu_core.cpp"), SOURCE.with_name("cpu_core.h"),
            SOURCE.with_name("cpu_kernels.h")]
-NEEDS = {"avx512f", "avx512bw", "avx512_vnni"}
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
 if os.environ.get("O3EDGE_CPU_PROFILE") == "1":  # the native step's phase timers (tools/profile_cpu_step.py)
     _CFLAGS.append("-DO3_PROFILE")
@@ -51,11 +49,9 @@ def build_dir() -> Path:
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False where they cannot run here."""
-    if os.environ.get("O3EDGE_CPU_KERNELS", "auto") == "torch":
-        return False
-    missing = NEEDS - cpu_features()
-    if platform.machine() not in ("x86_64", "AMD64") or missing:
-        log.info("o3edge CPU kernels off: this CPU lacks %s", ", ".join(sorted(missing)) or "x86-64")
+    why = why_no_vnni_kernels()
+    if why is not None:
+        log.info("o3edge CPU kernels off: %s", why)
         return False
     try:
         from torch.utils.cpp_extension import load

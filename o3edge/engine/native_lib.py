@@ -21,7 +21,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -30,14 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from o3edge.engine.cpu_features import cpu_flags
+from o3edge.engine.cpu_features import cpu_flags, why_no_vnni_kernels
 
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCE = _HERE / "cpu_core.cpp"
 SOURCES = [SOURCE, _HERE / "cpu_core.h", _HERE / "cpu_kernels.h"]  # what it includes: in the build's hash
-NEEDS = {"avx512f", "avx512bw", "avx512_vnni"}
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 if os.environ.get("O3EDGE_CPU_PROFILE") == "1":  # the step's phase timers (as cpu_ext.py)
     _CFLAGS.append("-DO3_PROFILE")
@@ -75,12 +73,9 @@ def _build(lib: Path) -> None:
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
     """The loaded library (built first where no build is cached), or None where it cannot run here."""
-    if os.environ.get("O3EDGE_CPU_KERNELS", "auto") == "torch":
-        log.info("o3edge native step off: O3EDGE_CPU_KERNELS=torch")
-        return None
-    missing = NEEDS - cpu_flags()
-    if platform.machine() not in ("x86_64", "AMD64") or missing:
-        log.info("o3edge native step off: this CPU lacks %s", ", ".join(sorted(missing)) or "x86-64")
+    why = why_no_vnni_kernels()
+    if why is not None:
+        log.info("o3edge native step off: %s", why)
         return None
     try:
         path = build_path()

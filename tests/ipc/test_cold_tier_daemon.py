@@ -34,20 +34,29 @@ def stats(d: DaemonProcess) -> dict:
         return c.stats()
 
 
-def test_kill_9_then_restart_serves_a_2000_token_system_prompt_from_the_cold_tier(tmp_path, tiny_dir, shm):
-    prompt = system_prompt(tiny_dir)
-    first = cold_daemon(tmp_path, tiny_dir, shm).start()
+def answer_then_kill_9(first: DaemonProcess, prompt: str, max_tokens: int = 8, check=None):
+    """Start `first`, answer `prompt` (no cold hit yet), wait until its full blocks are in the cold tier, then
+    kill -9 it; check(daemon) runs while it serves. -> (the answer, its full blocks)."""
+    first.start()
     try:
-        first.wait_ready()
+        first.wait_ready(timeout=120)
         with O3Client(first.endpoint, timeout=60) as c:
-            before = c.generate(prompt, max_tokens=8, ignore_eos=True)
+            before = c.generate(prompt, max_tokens=max_tokens, ignore_eos=True)
         assert before.usage["prompt_tokens"] >= 1900 and before.usage["cold_tokens"] == 0
+        if check is not None:
+            check(first)
         full_blocks = before.usage["prompt_tokens"] // 32
         assert wait_for(lambda: stats(first)["cold_blocks"] >= full_blocks, timeout=20)  # offloaded meanwhile
         first.proc.kill()
         assert first.proc.wait() == -signal.SIGKILL
     finally:
         first.stop()
+    return before, full_blocks
+
+
+def test_kill_9_then_restart_serves_a_2000_token_system_prompt_from_the_cold_tier(tmp_path, tiny_dir, shm):
+    prompt = system_prompt(tiny_dir)
+    before, full_blocks = answer_then_kill_9(cold_daemon(tmp_path, tiny_dir, shm), prompt)
     second = cold_daemon(tmp_path, tiny_dir, shm).start()
     try:
         second.wait_ready()

@@ -1,16 +1,14 @@
 """o3edged with `[engine] backend = "native"`: a real daemon answers over ZeroMQ without torch in its process
 (its memory maps hold no libtorch), and its KV blocks survive kill -9 in the shared-memory cold tier."""
 
-import signal
-
 import pytest
 
-from conftest import DaemonProcess, wait_for
+from conftest import DaemonProcess
 from o3edge import O3Config, O3Model
 from o3edge.engine import native_lib
 from o3edge.engine.sequence import SamplingParams
 from o3edge.ipc.client import O3Client
-from test_cold_tier_daemon import stats, system_prompt
+from test_cold_tier_daemon import answer_then_kill_9, system_prompt
 
 pytestmark = pytest.mark.skipif(not native_lib.available(), reason="this CPU lacks AVX-512 VNNI (or no g++)")
 
@@ -33,20 +31,13 @@ def native_daemon(directory, model_dir, cold_dir) -> DaemonProcess:
 
 def test_native_daemon_answers_without_torch_and_keeps_its_cold_tier(tmp_path, engine_dir, shm):
     prompt = system_prompt(engine_dir)
-    first = native_daemon(tmp_path, engine_dir, shm).start()
-    try:
-        first.wait_ready(timeout=120)
-        with O3Client(first.endpoint, timeout=60) as c:
-            before = c.generate(prompt, max_tokens=12, ignore_eos=True)
-        with open(f"/proc/{first.proc.pid}/maps") as fh:
+
+    def no_torch(d):
+        with open(f"/proc/{d.proc.pid}/maps") as fh:
             maps = fh.read()
         assert "libtorch" not in maps and "libo3core" in maps
-        full_blocks = before.usage["prompt_tokens"] // 32
-        assert wait_for(lambda: stats(first)["cold_blocks"] >= full_blocks, timeout=20)  # offloaded meanwhile
-        first.proc.kill()
-        assert first.proc.wait() == -signal.SIGKILL
-    finally:
-        first.stop()
+
+    before, full_blocks = answer_then_kill_9(native_daemon(tmp_path, engine_dir, shm), prompt, 12, no_torch)
     second = native_daemon(tmp_path, engine_dir, shm).start()
     try:
         second.wait_ready(timeout=120)
