@@ -31,6 +31,7 @@ class O3Config:
     dynamic_kv_cache: bool = True  # paged KV cache with prefix reuse across requests
     int4_ffn: bool = False  # weight-only INT4 for the FFN projections
     int4_all: bool = False  # with int4_ffn: INT4 for every linear (attention projections, an untied LM head)
+    int4_lm_head: bool = False  # with int4_ffn: the LM head INT4 too (tied: its own copy; quantized at load)
     int4_group_size: int = 128
     kv_block_size: int = 32  # tokens per KV block
     num_kv_blocks: int | None = None  # None: max_num_seqs x max_model_len tokens, up to kv_cache_memory_mb

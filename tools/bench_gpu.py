@@ -77,12 +77,13 @@ def generation(model: O3Model, prompts: list[list[int]]) -> dict:
 
 
 ALL = "o3edge INT4 (all linears)"
+HEAD = "o3edge INT4-FFN + INT4 LM head"
 
 
-def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192, int4_all=False):
+def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192, int4_all=False, int4_head=False):
     model = O3Model.from_config(O3Config(model_path=path, device="cuda", dtype=dtype, max_model_len=2048,
                                          max_num_seqs=max(batches), kv_cache_memory_mb=kv_mb, int4_ffn=int4,
-                                         int4_all=int4_all,
+                                         int4_all=int4_all, int4_lm_head=int4_head,
                                          max_num_batched_tokens=max(2048, PROMPT_LEN * max(batches))))
     prompts = Prompts(model.engine.info.args.vocab_size)
     generation(model, prompts(2))  # warm-up
@@ -187,9 +188,9 @@ def parse_llamacpp(bench_log: str, energy_log: str | None) -> dict:
     return {k: v for k, v in out.items() if any(key.startswith("b") for key in v)}
 
 
-def weight_bytes(model_path: str, dtype: str, int4: bool, int4_all: bool = False) -> float:
-    """Bytes one decode step must read: every weight once (INT4 at 4.25 bits with group scales: the FFN, or
-    with int4_all every linear)."""
+def weight_bytes(model_path: str, dtype: str, int4: bool, int4_all: bool = False, int4_head: bool = False) -> float:
+    """Bytes one decode step must read: every weight once (INT4 at 4.25 bits with group scales: the FFN, with
+    int4_head the LM head too, or with int4_all every linear)."""
     from o3edge.engine.checkpoint import read_model_args
 
     a = read_model_args(model_path)
@@ -200,7 +201,7 @@ def weight_bytes(model_path: str, dtype: str, int4: bool, int4_all: bool = False
     ffn_bytes = ffn * (0.5 + 4 / 128) if int4 else ffn * elem
     if int4_all:
         return (a.num_layers * (attn + ffn) + head) * (0.5 + 4 / 128)
-    return a.num_layers * (attn * elem + ffn_bytes) + head * elem
+    return a.num_layers * (attn * elem + ffn_bytes) + head * ((0.5 + 4 / 128) if int4_head else elem)
 
 
 def main():
@@ -211,6 +212,7 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--int4", action="store_true", help="also run o3edge with INT4 FFN weights")
     ap.add_argument("--int4-all", action="store_true", help="also run o3edge with every linear in INT4")
+    ap.add_argument("--int4-head", action="store_true", help="also run o3edge with INT4 FFN and LM head")
     ap.add_argument("--model", help="existing checkpoint dir (default: make one with random weights)")
     ap.add_argument("--llamacpp", help="BENCH_LOG[,ENERGY_LOG] of .peer/run.sh from this same call")
     ap.add_argument("--reuse", help="o3edge figures from an earlier --json of this run (skip re-measuring)")
@@ -252,13 +254,17 @@ def measure(a, batches) -> dict:
     if a.int4:
         r["systems"]["o3edge INT4-FFN"] = bench_o3(path, a.dtype, batches, energy, int4=True)
         print("o3edge INT4-FFN", json.dumps(r["systems"]["o3edge INT4-FFN"]), flush=True)
+    if a.int4_head:
+        r["systems"][HEAD] = bench_o3(path, a.dtype, batches, energy, int4=True, int4_head=True)
+        print(HEAD, json.dumps(r["systems"][HEAD]), flush=True)
     if a.int4_all:
         r["systems"][ALL] = bench_o3(path, a.dtype, batches, energy, int4=True, int4_all=True)
         print(ALL, json.dumps(r["systems"][ALL]), flush=True)
     if not a.skip_hf:
         r["systems"]["transformers"] = bench_hf(path, a.dtype, batches, energy)
         print("transformers", json.dumps(r["systems"]["transformers"]), flush=True)
-    r["floor_ms"] = {k: weight_bytes(path, a.dtype, k.endswith("INT4-FFN"), k == ALL) / HBM_BYTES_PER_S * 1e3
+    r["floor_ms"] = {k: weight_bytes(path, a.dtype, k.endswith("INT4-FFN") or k == HEAD, k == ALL, k == HEAD)
+                     / HBM_BYTES_PER_S * 1e3
                      for k in r["systems"] if k.startswith("o3edge")}
     return r
 

@@ -46,6 +46,7 @@ INT4_GROUPS = (32, 64, 128)
 VARIANTS = [("FP32", "float32", None), ("FP16", "float16", None), ("BF16", "bfloat16", None)]
 VARIANTS += [(f"INT4-FFN g{g} + BF16", "bfloat16", g) for g in INT4_GROUPS]
 VARIANTS += [(f"INT4-FFN g{g} + FP32", "float32", g) for g in INT4_GROUPS]
+VARIANTS += [(f"INT4-FFN g{g} + INT4 LM head + FP32", "head:float32", g) for g in INT4_GROUPS]  # int4_lm_head
 
 
 def held_out_windows(tokenizer, data: str | None, num_tokens: int, window: int) -> list[list[int]]:
@@ -64,10 +65,13 @@ def held_out_windows(tokenizer, data: str | None, num_tokens: int, window: int) 
 def make_engine(model_dir: str, dtype: str, group: int | None, window: int) -> LLMEngine | None:
     """An engine for one variant, or None when this build cannot make it (INT4 not yet there, say)."""
     backend = "native" if dtype.startswith("native:") else "torch"  # the same directory, served without torch
+    head = dtype.startswith("head:")  # int4_lm_head: the LM head INT4 beside the FFN
+    dtype = dtype.removeprefix("head:")
     if dtype.startswith(("preset:", "native:")):  # an engine directory built with `o3edge build --preset`
         model_dir, dtype = dtype.split(":", 1)[1], "auto"
     cfg = O3Config(model_path=model_dir, device="cpu", dtype=dtype, int4_ffn=group is not None,
-                   int4_group_size=group or 128, num_kv_blocks=window // 32 + 2, cuda_graphs=False, backend=backend)
+                   int4_group_size=group or 128, num_kv_blocks=window // 32 + 2, cuda_graphs=False, backend=backend,
+                   int4_lm_head=head)
     try:
         engine = LLMEngine(cfg, model_dir)
     except Exception as exc:  # noqa: BLE001 - any failure means "not available", reported as such

@@ -21,7 +21,7 @@ from o3edge.engine.cpu_quant import LM_HEAD, Preset, int4_targets, int8_targets,
 from o3edge.engine.cpu_quant import SUFFIXES as INT8_SUFFIXES
 from o3edge.engine.engine_dir import is_engine_dir, load_weights, read_manifest
 from o3edge.engine.model import RMSNorm, Transformer, hf_weight_map
-from o3edge.engine.quant import quantizable, quantize_int4, swap_to_int4
+from o3edge.engine.quant import can_quantize, quantizable, quantize_int4, swap_to_int4
 from o3edge.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,14 @@ def on_meta():
         yield
 
 
-def int4_modules(args: ModelArgs, group_size: int, every_linear: bool = False) -> list[str]:
-    """The linears of this architecture that INT4 applies to: the FFN projections, or every linear."""
+def int4_modules(args: ModelArgs, group_size: int, every_linear: bool = False, lm_head: bool = False) -> list[str]:
+    """The linears of this architecture that INT4 applies to: the FFN projections, or every linear; with lm_head
+    the LM head too (a tied one: its own INT4 copy of the embedding, which stays dense for the lookup)."""
     with on_meta():
-        return quantizable(Transformer(args), group_size, every_linear)
+        names = quantizable(Transformer(args), group_size, every_linear)
+    if lm_head and LM_HEAD not in names and can_quantize(args.vocab_size, args.hidden_size, group_size):
+        names.append(LM_HEAD)
+    return names
 
 
 def preset_modules(args: ModelArgs, preset: Preset) -> tuple[list[str], list[str]]:
@@ -147,7 +151,8 @@ def check_shapes(model: Transformer, state: dict) -> None:
 
 
 def load_model(model_dir: str, device: torch.device, dtype: torch.dtype, int4_ffn: bool = False,
-               int4_group_size: int = 128, int4_all: bool = False) -> tuple[Transformer, ModelArgs]:
+               int4_group_size: int = 128, int4_all: bool = False,
+               int4_lm_head: bool = False) -> tuple[Transformer, ModelArgs]:
     """Read a checkpoint or engine directory into an eval-mode Transformer.
 
     int4_ffn quantizes the FFN projections (with int4_all, every linear layer) at load time unless
@@ -155,13 +160,15 @@ def load_model(model_dir: str, device: torch.device, dtype: torch.dtype, int4_ff
     """
     mapped = []  # INT4/INT8 tensors (and INT4 scales) read from the engine file (mmap), packed into copies
     if is_engine_dir(model_dir):
-        args, state, group, stored = _engine_state(model_dir, dtype, int4_ffn, int4_group_size, int4_all)
+        args, state, group, stored = _engine_state(model_dir, dtype, int4_ffn, int4_group_size, int4_all,
+                                                   int4_lm_head)
         mapped = [state[f"{name}.{part}"] for name in stored for part in ("qweight", "scales_and_zeros")]
         mapped += [v for k, v in state.items() if k.endswith(".qweight8")]
     else:
         args = read_model_args(model_dir)
         group = int4_group_size if int4_ffn else None
-        state = build_state_dict(args, load_tensors(model_dir), dtype, group, int4_all=int4_all)
+        names = int4_modules(args, group, int4_all, int4_lm_head) if group else None
+        state = build_state_dict(args, load_tensors(model_dir), dtype, group, int4_all=int4_all, int4_names=names)
     # engine dir: drop each INT4/INT8 tensor's file pages as soon as it is packed, so they never pile up
     model = instantiate(args, state, device, group, release=_release_memory if mapped else None)
     if mapped:
@@ -185,7 +192,8 @@ def _release_memory(mapped: list[torch.Tensor]) -> None:
     libc.malloc_trim(0)
 
 
-def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size: int, int4_all: bool):
+def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size: int, int4_all: bool,
+                  int4_lm_head: bool = False):
     manifest = read_manifest(model_dir)
     state = load_weights(manifest)
     stored = sorted(k.removesuffix(".qweight") for k in state if k.endswith(".qweight"))
@@ -202,8 +210,9 @@ def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size
     group = manifest.group_size
     if int4_ffn and group is None:
         group = group_size
-        for name in int4_modules(manifest.args, group, int4_all):
-            weight = state.pop(name + ".weight")
+        for name in int4_modules(manifest.args, group, int4_all, int4_lm_head):
+            tied = name == LM_HEAD and manifest.args.tie_word_embeddings
+            weight = state["embed.weight"] if tied else state.pop(name + ".weight")
             state[name + ".qweight"], state[name + ".scales_and_zeros"] = quantize_int4(weight, group)
     elif group is not None and group != group_size:
         log.info("engine %s is INT4 with group size %d (built in; int4_group_size %d ignored)",

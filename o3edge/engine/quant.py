@@ -215,5 +215,5 @@ def int4_tag(model: nn.Module) -> str:
     """A short identity of the model's quantization ('' when dense), for cache keys and logs."""
     int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
     groups = sorted({m.group_size for m in int4.values()})
-    beyond_ffn = any(not name.endswith(FFN_MODULES) for name in int4)
-    return "".join(f":int4g{g}" for g in groups) + (":all" if beyond_ffn else "")
+    attention = any(not name.endswith(FFN_MODULES) and name != "lm_head" for name in int4)
+    return "".join(f":int4g{g}" for g in groups) + (":all" if attention else ":head" if "lm_head" in int4 else "")

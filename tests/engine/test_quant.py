@@ -138,3 +138,29 @@ def test_int4_linear_matches_dequantized_reference_cuda(n, k, group):
     # tensor cores multiply bf16-rounded dequantized weights: within 1% of the output's scale;
     # a wrong layout or nibble order would be off by the output's own size
     torch.testing.assert_close(y.float(), ref, rtol=2**-6, atol=0.01 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("variant", ["llama-tied", "llama3-rope-untied"])
+def test_int4_lm_head_quantizes_the_head_only_beside_the_ffn(checkpoints, tmp_path, variant):
+    """int4_lm_head: the LM head (a tied one as its own INT4 copy; the embedding stays dense for the lookup) joins
+    the INT4 FFN, attention stays dense, the fingerprint differs from INT4-FFN's, and a dense engine directory
+    quantized at load gets the same modules and logits as the checkpoint."""
+    from o3edge.engine.engine_dir import build_engine_dir
+
+    src = checkpoints(variant)
+    cfg = dict(device="cpu", dtype="float32", int4_ffn=True, int4_group_size=32)
+    ffn = O3Model.from_config(O3Config(model_path=src, **cfg)).engine
+    head = O3Model.from_config(O3Config(model_path=src, int4_lm_head=True, **cfg)).engine
+    net = head.runner.model
+    assert isinstance(net.lm_head, Int4Linear) and net.embed.weight.dtype == torch.float32
+    assert all(type(layer.attn.qkv) is torch.nn.Linear and isinstance(layer.mlp.down, Int4Linear)
+               for layer in net.layers)
+    assert int4_tag(net) == ":int4g32:head" and head.info.fingerprint != ffn.info.fingerprint
+    ids = head.encode("def main():\n    return 1")
+    a, b = head.score(ids), ffn.score(ids)
+    assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.99  # a quantized head, same model
+    engine = str(tmp_path / "dense")
+    build_engine_dir(src, engine, torch.float32, None)
+    built = O3Model.from_config(O3Config(model_path=engine, int4_lm_head=True, **cfg)).engine
+    assert isinstance(built.runner.model.lm_head, Int4Linear)
+    torch.testing.assert_close(built.score(ids), a, rtol=0, atol=0)
