@@ -13,7 +13,7 @@ from o3edge.errors import ConfigError
 from o3edge.policy import Policy
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-BACKENDS = ("torch", "onnxruntime", "native")
+BACKENDS = ("auto", "torch", "onnxruntime", "native")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # group sizes the INT4 packers and kernels take
 
 
@@ -54,7 +54,9 @@ class O3Config:
     cpu_compile: bool = False  # CPU quantized engines: decode through a torch.compile'd step (cpu_compiled.py)
     cpu_native_step: bool = True  # CPU VNNI engines: decode as one C++ call (cpu_step.py); before cpu_compile
     seed: int = 0
-    backend: str = "torch"  # "onnxruntime": an `o3edge export` directory; "native": CPU engine dirs without torch
+    # "native": a CPU engine directory without torch; "onnxruntime": an `o3edge export` directory; "auto":
+    # native for a CPU preset's engine (not on CUDA, router off, no cpu_compile) where it can run, else torch
+    backend: str = "auto"
     policy: Policy = field(default_factory=Policy)  # classes, queue bounds, request limits (o3edge.policy)
 
     def __post_init__(self):

@@ -39,7 +39,7 @@ def main():
     path, threads, compile_ = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
     prompt = json.load(open(PROMPT))
     engine = O3Model.from_config(O3Config(model_path=path, device="cpu", num_threads=threads, kv_cache_memory_mb=64,
-                                          max_model_len=1024, cpu_compile=compile_)).engine
+                                          max_model_len=1024, cpu_compile=compile_, backend="torch")).engine
     cd = engine.runner.cpu_decode  # the native step (cpu_step.py) when it applies, else the compiled one if asked
     modes = [(m, n, c) for m, n, c in (("native", cd.native, None), ("compiled", None, cd.compiled),
                                        ("eager", None, None)) if m == "eager" or n or c]

@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    engine = O3Model.from_config(O3Config(model_path=a.engine, device="cpu", num_threads=a.threads,
+    engine = O3Model.from_config(O3Config(model_path=a.engine, device="cpu", num_threads=a.threads, backend="torch",
                                           kv_cache_memory_mb=64, max_model_len=1024)).engine
     runner = engine.runner
     if runner.cpu_decode is None or runner.cpu_decode.native is None:

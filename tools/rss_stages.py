@@ -19,6 +19,7 @@ rss("import o3edge")
 from o3edge.engine import cpu_ext; cpu_ext.available()
 rss("cpu_ext loaded")
 engine = O3Model.from_config(O3Config(model_path=sys.argv[1], device="cpu", num_threads=2, kv_cache_memory_mb=64,
+                                      backend="torch",
                                       max_model_len=1024, cpu_compile=os.environ.get("COMPILE") == "1")).engine
 rss("engine loaded")
 from o3edge.engine.sequence import SamplingParams

@@ -46,6 +46,7 @@ class RuntimeInfo:
     eos_token_ids: tuple[int, ...]
     load_seconds: float
     cache_identity: str = ""  # the model identity that roots the prefix cache's and the cold tier's keys
+    backend: str = "torch"  # the backend that serves the model (pick_backend)
 
 
 @dataclass
@@ -120,13 +121,31 @@ def token_array(ids, vocab: int) -> array | None:
     return checked if len(values) and values.min() >= 0 and values.max() < vocab else None
 
 
+def pick_backend(config: O3Config, model_dir: str) -> str:
+    """The backend to run: the configured one, or for "auto" the native backend where it serves the engine as the
+    torch one would (an engine built with a CPU preset, on the CPU, router off, no compiled step asked for, and
+    the native step builds here), else torch."""
+    if config.backend != "auto":
+        return config.backend
+    from o3edge.engine import native_lib
+    from o3edge.engine.manifest import cpu_preset
+
+    preset = cpu_preset(model_dir)
+    if (preset is None or config.device.startswith("cuda") or config.kv_router != "off" or config.cpu_compile
+            or not native_lib.available()):
+        return "torch"
+    log.info('backend "auto": native (an engine of the %s preset on the CPU; this process needs no torch)', preset)
+    return "native"
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged, prefix-reusing KV cache."""
 
     def __init__(self, config: O3Config, model_dir: str):
         t0 = time.perf_counter()
         self.config = config
-        onnx, native = config.backend == "onnxruntime", config.backend == "native"
+        self.backend = backend = pick_backend(config, model_dir)
+        onnx, native = backend == "onnxruntime", backend == "native"
         if native:
             manifest, fp = self._native_checks(config, model_dir)
             model, args, device, dtype = None, manifest.args, "cpu", "float32"
@@ -186,7 +205,7 @@ class LLMEngine:
         eos = args.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(self.tokenizer.eos_token)] if t is not None)
         self.info = RuntimeInfo(model_dir, str(device), str(dtype).removeprefix("torch."), args, fp, num_blocks,
                                 config.kv_block_size, num_blocks * block_bytes, max_len, eos,
-                                time.perf_counter() - t0, cache_identity=identity)
+                                time.perf_counter() - t0, cache_identity=identity, backend=backend)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, Detokenizer] = {}
         self.num_generated_tokens = 0

@@ -18,6 +18,7 @@ from o3edge.errors import CheckpointError
 INT4_SCHEME = "int4-asym-groupwise"  # quant.py's INT4 format (w = (q - 8) * scale + zero per group)
 INT8_SCHEME = "int8-sym-per-row"  # cpu_quant.py's INT8 format (w = q * scale per row)
 DTYPES = ("float32", "float16", "bfloat16")
+CPU_PRESETS = ("cpu-int8", "cpu-int4", "cpu-int4-all")  # cpu_quant.PRESETS' names: engines built for the CPU
 FORMAT = "o3edge-engine"
 FORMAT_VERSION = 2  # 2: INT8 modules and CPU presets (written only by builds that use them)
 MANIFEST = "manifest.json"
@@ -156,3 +157,14 @@ def _check_tokenizer(engine_dir: str, tok: dict, where: str) -> None:
     if file_sha256(path) != expected:
         raise CheckpointError(f"{path} does not match the tokenizer the engine was built with "
                               f"(sha256 differs from the manifest's)")
+
+
+def cpu_preset(path: str) -> str | None:
+    """The CPU preset an engine directory was built with (`o3edge build --preset`), None for anything else (a
+    checkpoint, a GPU build, an unreadable manifest: read_manifest reports those when the engine loads)."""
+    try:
+        quant = read_json(os.path.join(path, MANIFEST)).get("quantization")
+    except Exception:  # noqa: BLE001 - not an engine directory, or a broken one: not a CPU preset either way
+        return None
+    preset = quant.get("preset") if isinstance(quant, dict) else None
+    return preset if preset in CPU_PRESETS else None

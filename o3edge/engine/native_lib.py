@@ -175,6 +175,12 @@ class Model:
         if lib.o3_check_model(ctypes.byref(self._model), err, _ERR_BYTES) != 0:
             raise ValueError(err.value.decode(errors="replace"))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the model's arrays (the embedding counted whole, though only rows that are read are resident
+        when it is a view of the engine file)."""
+        return sum(a.nbytes for a in self._keep)
+
     def _floats(self, a: np.ndarray | None, size: int, what: str) -> int | None:
         """The address of a float32 array (kept alive), None for None."""
         if a is None:

@@ -107,6 +107,9 @@ class NativeRunner:
         self.last_logits = logits  # [B, V]: each sequence's last row (kept for tests and reports)
         return pick_tokens(batch, logits, self._rng)
 
+    def weights_bytes(self) -> int:
+        return self.native.nbytes
+
     def prompt_logits(self, seq: Sequence) -> np.ndarray:
         """Float32 logits at every position of seq's uncomputed tokens: [n, V] (perplexity, reports)."""
         ids, positions, slots, tables, _ = self.rows([(seq, seq.num_uncomputed)])

@@ -50,7 +50,8 @@ def _model_info(engine: "LLMEngine") -> dict:
     i = engine.info
     offloader = getattr(engine, "offloader", None)
     return {"model": os.path.basename(os.path.normpath(i.model_dir)), "model_path": i.model_dir,
-            "architecture": i.args.family, "dtype": i.dtype, "device": i.device, "max_context": i.max_model_len,
+            "architecture": i.args.family, "dtype": i.dtype, "device": i.device, "backend": i.backend,
+            "max_context": i.max_model_len,
             "vocab_size": i.args.vocab_size, "kv_block_size": i.kv_block_size, "num_kv_blocks": i.num_kv_blocks,
             "kv_cache_bytes": i.kv_cache_bytes, "fingerprint": i.fingerprint,
             "has_chat_template": bool(engine.tokenizer.chat_template), "load_seconds": round(i.load_seconds, 3),
@@ -60,7 +61,10 @@ def _model_info(engine: "LLMEngine") -> dict:
 def _memory(engine: "LLMEngine") -> dict:
     mib = lambda n: round(n / 2**20, 1)  # noqa: E731
     out = {"kv_cache_mib": mib(engine.info.kv_cache_bytes)}
-    model = getattr(getattr(engine, "runner", None), "model", None)
+    runner = getattr(engine, "runner", None)
+    model = getattr(runner, "model", None)
     if model is not None:
         out["weights_mib"] = mib(sum(t.numel() * t.element_size() for t in model.state_dict().values()))
+    elif hasattr(runner, "weights_bytes"):  # the native backend's NumPy arrays
+        out["weights_mib"] = mib(runner.weights_bytes())
     return out

@@ -85,7 +85,7 @@ def test_preset_engine_loads_what_it_stored_and_generates(presets, variant, pres
     assert m.raw["format_version"] == 2 and m.preset == preset and m.raw["dtype"] == "float32"
     assert "lm_head" in m.int8_modules  # tied or not, the LM head is INT8
     assert (m.group_size is not None) == (preset == "cpu-int4")
-    model = O3Model.from_config(O3Config(model_path=path, device="cpu"))
+    model = O3Model.from_config(O3Config(backend="torch", model_path=path, device="cpu"))
     layers = dict(model.engine.runner.model.named_modules())
     assert sorted(n for n, mod in layers.items() if isinstance(mod, Int8Linear)) == sorted(m.int8_modules)
     assert sorted(n for n, mod in layers.items() if isinstance(mod, Int4Linear)) == sorted(m.quantized)
@@ -102,7 +102,7 @@ def test_preset_precision_report_within_bounds(presets, checkpoints, preset, max
     src = checkpoints("llama-tied")
     settings = dict(device="cpu", kv_cache_memory_mb=16, max_model_len=256)
     ref = O3Model.from_config(O3Config(model_path=src, dtype="float32", **settings)).engine
-    eng = O3Model.from_config(O3Config(model_path=presets("llama-tied", preset), **settings)).engine
+    eng = O3Model.from_config(O3Config(backend="torch", model_path=presets("llama-tied", preset), **settings)).engine
     report = alignment_report(ref, eng, num_new_tokens=8)
     assert report.kl_mean <= max_kl and report.top1_agreement >= min_top1, report.format()
     assert "int8" in report.engine
@@ -196,7 +196,8 @@ def test_default_thread_count_is_physical_cores_capped(monkeypatch):
 @pytest.mark.parametrize("variant", ["llama-tied", "qwen2-bias", "qwen3-qknorm"])
 def test_int8_decode_forward_matches_the_model_forward(presets, variant):
     """INT8 engines decode through cpu_decode.decode_forward (RoPE as a matmul); it computes the same step."""
-    engine = O3Model.from_config(O3Config(model_path=presets(variant, "cpu-int8"), device="cpu")).engine
+    engine = O3Model.from_config(O3Config(backend="torch", model_path=presets(variant, "cpu-int8"),
+                                          device="cpu")).engine
     runner = engine.runner
     assert runner.cpu_decode.fast_forward
     ids = engine.encode("def main():\n    return")

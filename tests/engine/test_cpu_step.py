@@ -22,7 +22,7 @@ def test_native_decode_matches_eager(checkpoints, tmp_path, variant, preset):
     consecutive (read through the block tables), where the eager run had them in one span."""
     path = str(tmp_path / preset)
     build_engine_dir(checkpoints(variant), path, torch.bfloat16, None, preset=preset, calibration_tokens=4096)
-    engine = O3Model.from_config(O3Config(model_path=path, device="cpu", kv_block_size=8)).engine
+    engine = O3Model.from_config(O3Config(backend="torch", model_path=path, device="cpu", kv_block_size=8)).engine
     runner = engine.runner
     native = runner.cpu_decode.native
     assert native is not None
@@ -63,5 +63,5 @@ def test_float32_engine_keeps_its_exact_eager_decode(checkpoints):
 def test_off_by_setting(checkpoints, tmp_path):
     path = str(tmp_path / "int8")
     build_engine_dir(checkpoints("llama-tied"), path, torch.bfloat16, None, preset="cpu-int8")
-    engine = O3Model.from_config(O3Config(model_path=path, device="cpu", cpu_native_step=False)).engine
+    engine = O3Model.from_config(O3Config(backend="torch", model_path=path, device="cpu", cpu_native_step=False)).engine
     assert engine.runner.cpu_decode.native is None

@@ -88,7 +88,7 @@ def test_int4_all_preset_stores_every_linear_in_int4_and_runs_natively(int4_all)
     assert "lm_head" in m.quantized and len(m.quantized) == 4 * m.args.num_layers + 1
     int4 = m.raw["quantization"]["int4"]
     assert int4["method"] == "gptq-mse" and int4["calibration"]["tokens"] == CALIBRATION_TOKENS
-    o3 = O3Model.from_config(O3Config(model_path=path, device="cpu"))
+    o3 = O3Model.from_config(O3Config(backend="torch", model_path=path, device="cpu"))
     engine, model = o3.engine, o3.engine.runner.model
     assert sorted(n for n, mod in model.named_modules() if isinstance(mod, Int4Linear)) == sorted(m.quantized)
     assert not any(isinstance(mod, (Int8Linear, torch.nn.Linear)) for mod in model.modules())
@@ -102,8 +102,8 @@ def test_int4_all_preset_stores_every_linear_in_int4_and_runs_natively(int4_all)
 def test_int4_all_preset_is_closer_to_float32_than_round_to_nearest(int4_all, checkpoints):
     settings = dict(device="cpu", kv_cache_memory_mb=16, max_model_len=256)
     ref = O3Model.from_config(O3Config(model_path=checkpoints("llama-tied"), dtype="float32", **settings)).engine
-    kl = {method: alignment_report(ref, O3Model.from_config(O3Config(model_path=path, **settings)).engine,
-                                   num_new_tokens=8).kl_mean
+    kl = {method: alignment_report(ref, O3Model.from_config(O3Config(backend="torch", model_path=path,
+                                                                     **settings)).engine, num_new_tokens=8).kl_mean
           for method, path in int4_all.items()}
     assert kl["gptq-mse"] < 0.8 * kl["rtn"], kl
 
@@ -117,6 +117,6 @@ def test_int4_all_preset_on_untied_and_biased_models(checkpoints, tmp_path, vari
     biased = variant == "qwen2-bias"
     assert "lm_head" in m.quantized and m.int8_modules == ()
     assert len(m.quantized) == (3 if biased else 4) * m.args.num_layers + 1
-    model = O3Model.from_config(O3Config(model_path=path, device="cpu"))
+    model = O3Model.from_config(O3Config(backend="torch", model_path=path, device="cpu"))
     ids = model.engine.encode("import os")
     assert model.generate_batch([ids], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].completion_tokens == 6

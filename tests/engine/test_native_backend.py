@@ -63,7 +63,7 @@ def test_native_backend_generates_what_the_torch_backend_does(ref_engine_dir):
     cfg = dict(model_path=ref_engine_dir, device="cpu", kv_block_size=8, num_kv_blocks=128)
     native = O3Model.from_config(O3Config(backend="native", **cfg))
     tokens, steps, cached = generate(native)
-    ref_tokens, ref_steps, ref_cached = generate(O3Model.from_config(O3Config(**cfg)))
+    ref_tokens, ref_steps, ref_cached = generate(O3Model.from_config(O3Config(backend="torch", **cfg)))
     assert cached == ref_cached > 0  # the third prompt started from the first's blocks on both
     assert tokens == ref_tokens
     assert len(steps) == len(ref_steps)
@@ -104,6 +104,25 @@ def test_the_process_never_imports_torch(ref_engine_dir):
     assert got["denormal"] == 0.0  # the step flushes denormals (x86 computes them in microcode), as torch's does
     # this process's own peak (ru_maxrss would carry over the forking test process's), in kB: torch alone is ~220 MB
     assert int(got["peak"].split()[1]) < 150 * 1024
+
+
+@needs_native
+def test_auto_serves_cpu_presets_natively_and_the_rest_on_torch(ref_engine_dir):
+    from o3edge.engine.engine import pick_backend
+    from tests.test_reference_model import SHIPPED_ENGINE
+
+    def picked(path, **kw):
+        return pick_backend(O3Config(model_path=path, **kw), path)
+
+    assert picked(ref_engine_dir) == "native" and picked(ref_engine_dir, device="cpu") == "native"
+    assert picked(SHIPPED_ENGINE) == "torch"  # a GPU build (INT4 FFN, dense bf16 attention): not a CPU preset
+    assert picked(SHIPPED_MODEL) == "torch"  # a checkpoint
+    assert picked(ref_engine_dir, device="cuda") == "torch"
+    assert picked(ref_engine_dir, kv_router="int8") == "torch"
+    assert picked(ref_engine_dir, cpu_compile=True) == "torch"
+    assert picked(ref_engine_dir, backend="torch") == "torch"
+    engine = O3Model.from_config(O3Config(model_path=ref_engine_dir, num_kv_blocks=64)).engine
+    assert engine.info.backend == "native" and engine.runner.model is None
 
 
 def test_what_the_backend_cannot_do_is_refused_with_a_config_error(checkpoints, ref_engine_dir):

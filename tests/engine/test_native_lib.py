@@ -71,7 +71,8 @@ def engines(request, checkpoints, tmp_path_factory):
     variant, preset = request.param
     path = str(tmp_path_factory.mktemp("native") / preset)
     build_engine_dir(checkpoints(variant), path, torch.bfloat16, None, preset=preset, calibration_tokens=4096)
-    runner = O3Model.from_config(O3Config(model_path=path, device="cpu", kv_block_size=BS)).engine.runner
+    config = O3Config(backend="torch", model_path=path, device="cpu", kv_block_size=BS)
+    runner = O3Model.from_config(config).engine.runner
     assert runner.cpu_decode.native is not None
     args = runner.args
     kv = torch.zeros(args.num_layers, 2, 32 * BS, args.num_kv_heads, args.head_dim)

@@ -48,8 +48,8 @@ class FakeEngine:
         self.reqs: dict[str, list] = {}  # rid -> [prompt_len, max_new_tokens, produced]
         self.num_generated_tokens = 0
         args = SimpleNamespace(family="fake", vocab_size=100)
-        self.info = SimpleNamespace(model_dir="/fake/model", device="cpu", dtype="float32", args=args,
-                                    fingerprint="fake", num_kv_blocks=64, kv_block_size=16, kv_cache_bytes=0,
+        self.info = SimpleNamespace(model_dir="/fake/model", device="cpu", dtype="float32", backend="torch",
+                                    args=args, fingerprint="fake", num_kv_blocks=64, kv_block_size=16, kv_cache_bytes=0,
                                     max_model_len=64, load_seconds=0.0, cache_identity="0" * 32)
         self.tokenizer = SimpleNamespace(chat_template=None, encode_request=self.encode)
 

@@ -1,5 +1,6 @@
-"""o3edged with `[engine] backend = "native"`: a real daemon answers over ZeroMQ without torch in its process
-(its memory maps hold no libtorch), and its KV blocks survive kill -9 in the shared-memory cold tier."""
+"""o3edged serving a CPU preset's engine (the default backend "auto" picks "native"): a real daemon answers over
+ZeroMQ without torch in its process (its memory maps hold no libtorch), and its KV blocks survive kill -9 in the
+shared-memory cold tier."""
 
 import pytest
 
@@ -25,8 +26,8 @@ def engine_dir(tmp_path_factory, tiny_dir):
 
 
 def native_daemon(directory, model_dir, cold_dir) -> DaemonProcess:
-    return DaemonProcess(str(directory), model_dir, tables={"engine": {"backend": "native"},
-                                                            "kv": {"cold_tier_mb": 32, "cold_tier_dir": cold_dir}})
+    """The default backend ("auto"): an engine of a CPU preset is served natively."""
+    return DaemonProcess(str(directory), model_dir, tables={"kv": {"cold_tier_mb": 32, "cold_tier_dir": cold_dir}})
 
 
 def test_native_daemon_answers_without_torch_and_keeps_its_cold_tier(tmp_path, engine_dir, shm):
@@ -36,6 +37,8 @@ def test_native_daemon_answers_without_torch_and_keeps_its_cold_tier(tmp_path, e
         with open(f"/proc/{d.proc.pid}/maps") as fh:
             maps = fh.read()
         assert "libtorch" not in maps and "libo3core" in maps
+        with O3Client(d.endpoint, timeout=10) as c:
+            assert c.info()["backend"] == "native"
 
     before, full_blocks = answer_then_kill_9(native_daemon(tmp_path, engine_dir, shm), prompt, 12, no_torch)
     second = native_daemon(tmp_path, engine_dir, shm).start()
