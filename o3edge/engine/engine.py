@@ -12,8 +12,6 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
-
 from o3edge.config import O3Config
 from o3edge.engine.block_manager import BlockManager
 from o3edge.engine.checkpoint import ModelArgs, fingerprint, read_model_args, weight_files
@@ -117,6 +115,8 @@ def token_array(ids, vocab: int) -> array | None:
         checked = array("i", ids)
     except (TypeError, OverflowError):  # OverflowError: beyond int32, so beyond any vocabulary
         return None
+    import numpy as np  # here, not at the top: importing the engine needs no numpy (test_first_hour.py)
+
     values = np.frombuffer(checked, dtype=np.int32)
     return checked if len(values) and values.min() >= 0 and values.max() < vocab else None
 
