@@ -103,12 +103,13 @@ class _Reader:
             Kp = qweight.shape[1] * 2
             if qweight.shape[0] != out_features or sz.shape != (Kp // self.group, out_features, 2):
                 raise CheckpointError(f"INT4 weights of {module}: shapes {qweight.shape}, {sz.shape}")
-            layer = native_lib.Linear(True, native_lib.pack_int4_rows16(qweight), np.ascontiguousarray(sz[..., 0]),
-                                      np.ascontiguousarray(sz[..., 1]), out_features, in_features, Kp, self.group)
+            layer = native_lib.Linear(True, native_lib.pack_int4_rows16(qweight), native_lib.aligned(sz[..., 0]),
+                                      native_lib.aligned(sz[..., 1]), out_features, in_features, Kp, self.group)
             st.drop_pages([module + ".qweight", module + ".scales_and_zeros"])
             return layer
         if module + ".qweight8" in st:
-            q, scales = st.get(module + ".qweight8"), st.get(module + ".scales8").astype(np.float32)
+            q = st.get(module + ".qweight8")
+            scales = native_lib.aligned(st.get(module + ".scales8").astype(np.float32))
             dropped = [module + ".qweight8"]
         else:
             name = dense_from or module + ".weight"

@@ -190,3 +190,16 @@ def test_import_and_step_without_torch(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_packed_arrays_start_on_64_byte_boundaries():
+    """The kernels load weights 64 bytes at a time: misaligned arrays straddle cache lines on every load (decode
+    ran 5-13% slower than the same kernels on torch's 64-byte aligned tensors)."""
+    rng = np.random.default_rng(0)
+    for _ in range(4):  # NumPy's own large arrays start 16 bytes into a page: each would fail alone
+        assert native_lib.pack_int4_rows16(rng.integers(0, 256, (64, 96), dtype=np.uint8)).ctypes.data % 64 == 0
+        q = rng.integers(-127, 128, (64, 192), dtype=np.int8)
+        assert native_lib.pack_int8_rows16(q).ctypes.data % 64 == 0
+        assert native_lib.group_sums(q, 32).ctypes.data % 64 == 0
+        odd = np.arange(1000, dtype=np.float32)[1:]
+        assert native_lib.aligned(odd).ctypes.data % 64 == 0 and np.array_equal(native_lib.aligned(odd), odd)
