@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import time
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,18 @@ def limit_arenas(count: int = 2) -> bool:
 def trim() -> bool:
     """Return free heap memory to the system; True if some was returned."""
     return bool(_LIBC and _LIBC.malloc_trim(0))
+
+
+def drop_pages(address: int, nbytes: int) -> None:
+    """Drop the resident pages that lie wholly inside [address, address + nbytes) of a file mapping (a tensor
+    of an engine file that was copied into a packed layout): the mapping stays, and a later read faults them
+    back in unchanged."""
+    if _LIBC is None:
+        return
+    page = mmap.PAGESIZE
+    start, end = -(-address // page) * page, (address + nbytes) // page * page
+    if end > start:
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
 
 
 class Trimmer:

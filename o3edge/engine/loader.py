@@ -7,14 +7,13 @@ asked) or an o3edge engine directory (already in our names, dtype and INT4 layou
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import os
 from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from o3edge import memory
 from o3edge.engine import gptq
 from o3edge.engine.checkpoint import ModelArgs, load_tensors, read_model_args
 from o3edge.engine.cpu_quant import LM_HEAD, Preset, int4_targets, int8_targets, quantize_int8, swap_to_int8
@@ -180,16 +179,9 @@ def _release_memory(mapped: list[torch.Tensor]) -> None:
     """After INT4 packing: return the packer's freed scratch to the OS (glibc keeps it otherwise), and
     drop the resident pages of the on-disk INT4 tensors, which are packed copies now. Pages only:
     the file stays mapped, and a later read would fault them back in unchanged."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to do
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
     for t in mapped:
-        start, end = -(-t.data_ptr() // page) * page, (t.data_ptr() + t.nbytes) // page * page
-        if end > start:
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
-    libc.malloc_trim(0)
+        memory.drop_pages(t.data_ptr(), t.nbytes)
+    memory.trim()
 
 
 def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size: int, int4_all: bool,

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 
 import numpy as np
 
+from o3edge import memory
 from o3edge.engine import native_lib
 from o3edge.engine.manifest import Manifest
 from o3edge.errors import CheckpointError
@@ -61,13 +61,9 @@ class SafeTensors:
     def drop_pages(self, names: list[str]) -> None:
         """Drop the resident file pages of these tensors (they were copied into packed layouts); a later
         read would fault them back in unchanged."""
-        page = mmap.PAGESIZE
         for name in names:
-            start, end = (self.base + o for o in self.entries[name]["data_offsets"])
-            start = -(-start // page) * page
-            end = end // page * page
-            if end > start and hasattr(self.map, "madvise"):
-                self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            start, end = self.entries[name]["data_offsets"]
+            memory.drop_pages(self.buffer.ctypes.data + self.base + start, end - start)
 
 
 def as_float32(values: np.ndarray, bf16: bool) -> np.ndarray:
@@ -150,19 +146,6 @@ def load_native_model(manifest: Manifest) -> native_lib.Model:
     embed = r.dense("embed.weight")  # float32 engines: a view of the file, resident row by row as tokens come
     tied = args.tie_word_embeddings and "lm_head.qweight" not in st and "lm_head.qweight8" not in st
     head = r.linear("lm_head", args.vocab_size, D, dense_from="embed.weight" if tied else None)
-    _trim_heap()
+    memory.trim()  # the packers' freed scratch back to the OS (glibc keeps it otherwise)
     return native_lib.Model(embed, r.dense("norm.weight"), layers, head, H, KVH, hd, args.rms_norm_eps)
 
-
-def _trim_heap() -> None:
-    """Hand the packers' freed scratch back to the OS (glibc keeps it otherwise)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def engine_bytes(path: str) -> int:
-    return os.path.getsize(path)
