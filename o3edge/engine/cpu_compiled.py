@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from o3edge.engine.cpu_decode import native_attention, span_attention
 from o3edge.engine.cpu_quant import Int8Linear
 from o3edge.engine.quant import Int4Linear
+from o3edge.paths import user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,7 @@ def inductor_cache_dir() -> str:
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if env:
         return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(base, "o3edge", "inductor")
+    path = str(user_cache_dir() / "inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path  # read by Inductor when it first compiles
     return path
 

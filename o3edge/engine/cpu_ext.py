@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from o3edge.engine.cpu_features import why_no_vnni_kernels
+from o3edge.paths import user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,9 @@ if os.environ.get("O3EDGE_CPU_PROFILE") == "1":  # the native step's phase timer
 
 def build_dir() -> Path:
     """<XDG cache or ~/.cache>/o3edge/cpu_ext/<hash>: one build per source, torch version and flags."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     source = b"".join(p.read_bytes() for p in SOURCES)
     key = hashlib.sha256(source + torch.__version__.encode() + " ".join(_CFLAGS).encode())
-    return Path(base) / "o3edge" / "cpu_ext" / key.hexdigest()[:16]
+    return user_cache_dir() / "cpu_ext" / key.hexdigest()[:16]
 
 
 @functools.cache

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from o3edge.engine.cpu_features import cpu_flags, why_no_vnni_kernels
+from o3edge.paths import user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,9 @@ _ERR_BYTES = 512
 def build_path() -> Path:
     """<XDG cache or ~/.cache>/o3edge/native/<hash>/libo3core.so: one build per source, flags and CPU (-march=native:
     a cache shared with another kind of CPU must not hand it instructions it lacks)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     flags = " ".join(_CFLAGS + sorted(cpu_flags()))
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + flags.encode())
-    return Path(base) / "o3edge" / "native" / key.hexdigest()[:16] / "libo3core.so"
+    return user_cache_dir() / "native" / key.hexdigest()[:16] / "libo3core.so"
 
 
 def _build(lib: Path) -> None:
