@@ -42,11 +42,11 @@ log = logging.getLogger("eval_reference")
 SECTION = "## Reference model: held-out quality by engine precision"
 INT4_GROUPS = (32, 64, 128)
 
-# (label, dtype, INT4 group size or None); FP32 first: it is the reference for KL and agreement
+# (label, dtype, INT4 group size or None[, more O3Config settings]); FP32 first: the reference for KL and agreement
 VARIANTS = [("FP32", "float32", None), ("FP16", "float16", None), ("BF16", "bfloat16", None)]
 VARIANTS += [(f"INT4-FFN g{g} + BF16", "bfloat16", g) for g in INT4_GROUPS]
 VARIANTS += [(f"INT4-FFN g{g} + FP32", "float32", g) for g in INT4_GROUPS]
-VARIANTS += [(f"INT4-FFN g{g} + INT4 LM head + FP32", "head:float32", g) for g in INT4_GROUPS]  # int4_lm_head
+VARIANTS += [(f"INT4-FFN g{g} + INT4 LM head + FP32", "float32", g, {"int4_lm_head": True}) for g in INT4_GROUPS]
 
 
 def held_out_windows(tokenizer, data: str | None, num_tokens: int, window: int) -> list[list[int]]:
@@ -62,16 +62,14 @@ def held_out_windows(tokenizer, data: str | None, num_tokens: int, window: int) 
     return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
-def make_engine(model_dir: str, dtype: str, group: int | None, window: int) -> LLMEngine | None:
-    """An engine for one variant, or None when this build cannot make it (INT4 not yet there, say)."""
-    backend = "native" if dtype.startswith("native:") else "torch"  # the same directory, served without torch
-    head = dtype.startswith("head:")  # int4_lm_head: the LM head INT4 beside the FFN
-    dtype = dtype.removeprefix("head:")
-    if dtype.startswith(("preset:", "native:")):  # an engine directory built with `o3edge build --preset`
-        model_dir, dtype = dtype.split(":", 1)[1], "auto"
-    cfg = O3Config(model_path=model_dir, device="cpu", dtype=dtype, int4_ffn=group is not None,
-                   int4_group_size=group or 128, num_kv_blocks=window // 32 + 2, cuda_graphs=False, backend=backend,
-                   int4_lm_head=head)
+def make_engine(model_dir: str, dtype: str, group: int | None, window: int, **settings) -> LLMEngine | None:
+    """An engine for one variant, or None when this build cannot make it (INT4 not yet there, say); settings:
+    more O3Config fields (backend, int4_lm_head). The torch backend unless settings say otherwise."""
+    if dtype.startswith("preset:"):  # an engine directory built with `o3edge build --preset`
+        model_dir, dtype = dtype.removeprefix("preset:"), "auto"
+    cfg = O3Config(**{**dict(model_path=model_dir, device="cpu", dtype=dtype, int4_ffn=group is not None,
+                             int4_group_size=group or 128, num_kv_blocks=window // 32 + 2, cuda_graphs=False,
+                             backend="torch"), **settings})
     try:
         engine = LLMEngine(cfg, model_dir)
     except Exception as exc:  # noqa: BLE001 - any failure means "not available", reported as such
@@ -122,7 +120,8 @@ def hf_scorer(model_dir: str):
 def evaluate(model_dir: str, wins: list[list[int]], window: int, with_hf: bool = True,
              variants: list | None = None) -> tuple[list, float | None]:
     """One row per variant (None where unavailable) and transformers' largest logit difference from FP32."""
-    engines = [(label, make_engine(model_dir, dtype, g, window)) for label, dtype, g in variants or VARIANTS]
+    engines = [(label, make_engine(model_dir, dtype, g, window, **(settings[0] if settings else {})))
+               for label, dtype, g, *settings in variants or VARIANTS]
     hf = hf_scorer(model_dir) if with_hf else None
     tallies = {label: Tally() for label, e in engines if e is not None}
     hf_tally, max_diff = Tally(), 0.0
@@ -218,7 +217,7 @@ def main(argv=None):
         build_engine_dir(model_dir, out, torch.float32, None, preset=preset)
         variants.append((f"preset {preset}", f"preset:{out}", None))
         if a.native:
-            variants.append((f"preset {preset}, native backend", f"native:{out}", None))
+            variants.append((f"preset {preset}, native backend", f"preset:{out}", None, {"backend": "native"}))
     rows, max_diff = evaluate(model_dir, wins, a.window, not a.no_transformers, variants)
     tmp.cleanup()
     meta = dict(model=os.path.relpath(model_dir, REPO) if model_dir.startswith(REPO) else model_dir,
