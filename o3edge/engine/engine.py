@@ -144,7 +144,7 @@ class LLMEngine:
     def __init__(self, config: O3Config, model_dir: str):
         t0 = time.perf_counter()
         self.config = config
-        self.backend = backend = pick_backend(config, model_dir)
+        backend = pick_backend(config, model_dir)
         onnx, native = backend == "onnxruntime", backend == "native"
         if native:
             manifest, fp = self._native_checks(config, model_dir)

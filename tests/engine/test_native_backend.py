@@ -108,8 +108,12 @@ def test_the_process_never_imports_torch(ref_engine_dir):
 
 @needs_native
 def test_auto_serves_cpu_presets_natively_and_the_rest_on_torch(ref_engine_dir):
+    from o3edge.engine.cpu_quant import PRESETS
     from o3edge.engine.engine import pick_backend
+    from o3edge.engine.manifest import CPU_PRESETS
     from tests.test_reference_model import SHIPPED_ENGINE
+
+    assert set(CPU_PRESETS) == set(PRESETS)  # what "auto" recognizes without torch is every preset there is
 
     def picked(path, **kw):
         return pick_backend(O3Config(model_path=path, **kw), path)
