@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from o3edge.engine.kernels.activation import silu_mul  # noqa: E402
-from o3edge.engine.kernels.gemv import MAX_ROWS, plan, skinny_matmul  # noqa: E402
+from o3edge.engine.kernels.gemv import MAX_ROWS, asm_int4, plan, skinny_matmul  # noqa: E402
 from o3edge.engine.kernels.int4_matmul import int4_matmul  # noqa: E402
 from o3edge.engine.kernels.norm import add_rmsnorm  # noqa: E402
 from o3edge.engine.quant import quantize_int4  # noqa: E402
@@ -50,14 +50,20 @@ def layers(model: str) -> list[tuple[str, int, int, str]]:
 
 
 def grid(M: int, int4: bool) -> list[tuple[int, ...]]:
-    """Tilings (BLOCK_N, BLOCK_K, splits, warps[, programs per SM: streamed, one row of dense weights])."""
+    """Tilings (BLOCK_N, BLOCK_K, splits, warps[, programs per SM: streamed, one row of dense weights[, software
+    pipeline stages]])."""
     if M == 1:
+        if int4 and os.environ.get("O3EDGE_INT4_STREAM") != "0":  # streamed row blocks, as dense (stream_int4)
+            return list(itertools.product((4, 8, 16, 32), (1024, 2048), (1,), (4, 8), (2, 4, 8)))
         if int4:
             return list(itertools.product((4, 8, 16), (512, 1024), (1, 2), (4, 8)))
         return list(itertools.product((4, 8, 16), (1024, 2048), (1,), (4, 8), (4, 6, 8)))
     if M > MAX_ROWS:
         return []
-    if int4 and os.environ.get("O3EDGE_INT4_SWAP") == "1":  # weight rows as the dot's rows: wgmma wants 64 of them a warp group
+    if int4 and os.environ.get("O3EDGE_INT4_ASM") != "0":  # packed dequantize: pipelined loads, stages tried too
+        return [(n, k, s, w, 0, st) for n, k, s, w, st in itertools.product(
+            (32, 64, 128), (128, 256), (1, 2, 4), (4, 8), (3, 4)) if not (n == 128 and w == 4)]
+    if int4 and os.environ.get("O3EDGE_INT4_SWAP") == "1":  # (with O3EDGE_INT4_ASM=0) W @ x.T: 64 rows a warp group
         return (list(itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4), (4,)))
                 + list(itertools.product((128,), (64, 128, 256), (1, 2, 4), (8,))))
     return list(itertools.product((16, 32, 64), (128, 256, 512), (1, 2), (4,)))
@@ -136,7 +142,8 @@ def jobs(models, rows, with_grid, only=None, kinds=(False, True)):
     out = []
     for model in models:
         for (name, N, K, pro), M, int4 in itertools.product(layers(model), rows, kinds):
-            if (int4 and name not in ("gate_up", "down")) or (M > MAX_ROWS and not int4) or (only and name not in only):
+            if ((int4 and name not in ("gate_up", "down", "lm_head")) or (M > MAX_ROWS and not int4)
+                    or (only and name not in only)):
                 continue
             configs = [None] + (grid(M, int4) if with_grid else [])
             out += [(model, name, N, K, pro, M, int4, c) for c in configs]
@@ -185,7 +192,8 @@ def main():
         except Exception as e:
             print(f"skip {name} M={M} {config}: {str(e)[:100]}")
             continue
-        cfg = config or (plan(M, N, K, int4, torch.cuda.get_device_properties(0).multi_processor_count)
+        cfg = config or (plan(M, N, K, int4, torch.cuda.get_device_properties(0).multi_processor_count,
+                              int4 and M > 1 and asm_int4(case.x))
                          if M <= MAX_ROWS else "dequantize+cuBLAS")
         results.append(dict(model=model, layer=name, M=M, int4=int4, kernel="fused", planned=config is None,
                             config=cfg if isinstance(cfg, str) else list(cfg), us=us, GBps=case.bytes / us / 1e3))

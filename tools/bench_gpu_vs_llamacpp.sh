@@ -14,6 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/o3bench}; mkdir -p "$OUT"
 t0=$(date +%s)
+VARIANTS=${VARIANTS:---int4 --int4-all}
 # llama.cpp builds on the CPU cores while the GPU-only measurements run (they time graph replays and
 # device events, which the build's CPU load does not touch); the end-to-end benchmarks wait for it
 bash .peer/run.sh build > "$OUT/llamacpp-build.log" 2>&1 &
@@ -29,10 +30,10 @@ fi
 echo "GPU-only part done at $(( $(date +%s) - t0 )) s"
 wait "$build" || { tail -30 "$OUT/llamacpp-build.log"; exit 1; }
 echo "llama.cpp built in $(( $(date +%s) - t0 )) s"
-python3 tools/bench_gpu.py --model /tmp/lcw/ckpt --shape tinyllama-1.1b --dtype float16 --int4 --int4-all --skip-hf \
+python3 tools/bench_gpu.py --model /tmp/lcw/ckpt --shape tinyllama-1.1b --dtype float16 $VARIANTS --skip-hf \
   --json "$OUT/o3edge-only.json" 2>&1 | grep -E "^o3edge"
 bash .peer/run.sh bench > "$OUT/llamacpp-bench.log" 2>&1
-python3 tools/bench_gpu.py --model /tmp/lcw/ckpt --shape tinyllama-1.1b --dtype float16 --int4 --int4-all --skip-hf \
+python3 tools/bench_gpu.py --model /tmp/lcw/ckpt --shape tinyllama-1.1b --dtype float16 $VARIANTS --skip-hf \
   --reuse "$OUT/o3edge-only.json" --llamacpp "$OUT/llamacpp-bench.log" --json "$OUT/tinyllama-fp16.json"
 echo "elapsed $(( $(date +%s) - t0 )) s"
 [ -n "${AFTER:-}" ] && bash -c "$AFTER"

@@ -4,6 +4,8 @@ Under TRITON_INTERPRET=1 on CPU tensors in CI; compiled on a CUDA machine when r
 `-m gpu` filter; the `gpu`-marked test at the end holds the decode step's own tilings (streamed one-row
 matmuls, the packed INT4 dot) at real model shapes to the reference on the GPU (`pytest -m gpu`)."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,13 +82,41 @@ def test_silu_prologue_matches_silu_mul_then_linear(dtype, M, config):
 @pytest.mark.parametrize("M", [1, 8, 33])
 @pytest.mark.parametrize("K,group", [(256, 64), (320, 64), (512, 128)])
 @pytest.mark.parametrize("swap", ["0", "1"])  # tiles of several rows as x @ W.T, or W @ x.T
-def test_int4_weights_match_the_dequantized_linear(dtype, M, K, group, swap, monkeypatch):
+@pytest.mark.parametrize("asm", ["0", "1"])  # tiles of several rows dequantized a word at a time, or a nibble
+def test_int4_weights_match_the_dequantized_linear(dtype, M, K, group, swap, asm, monkeypatch):
     monkeypatch.setenv("O3EDGE_INT4_SWAP", swap)
+    monkeypatch.setenv("O3EDGE_INT4_ASM", asm)
     N = 48
     g, x, w = _data(M, N, K, dtype, K + group)
     qw, sz = quantize_int4(w.float().cpu(), group)
     ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
     out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
+    _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pro", ["none", "norm", "silu"])
+@pytest.mark.parametrize("config", [(8, 128, 1, 4, 1), (4, 256, 1, 4, 2)])  # streamed: 1 or 2 programs per SM
+def test_streamed_int4_row_matches_the_dequantized_linear(dtype, pro, config):
+    """One activation row of INT4 weights streamed block after block (the tile in flight before it is used),
+    with each prologue, at a K that is not a whole number of tiles."""
+    N, K, group = 72, 320, 64
+    g, x, w = _data(1, N, K, dtype, 11, x_cols=2 * K if pro == "silu" else K)
+    qw, sz = quantize_int4(w.float().cpu(), group)
+    dq = dequantize_int4(qw, sz, K).to(dtype).float().to(DEV)
+    kw = dict(scales_and_zeros=sz.to(DEV), group_size=group, out_features=N, config=config)
+    if pro == "norm":
+        res = torch.randn(1, K, generator=g).to(DEV, dtype)
+        nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, dtype)
+        out, new_res = skinny_matmul(x, qw.to(DEV), norm_weight=nw, residual=res.clone(), eps=1e-5, **kw)
+        ref = F.linear(add_rmsnorm_reference(x, res.clone(), nw, 1e-5).float(), dq)
+        _close(new_res, x.float() + res.float(), dtype)
+    elif pro == "silu":
+        out = skinny_matmul(x, qw.to(DEV), silu=True, **kw)
+        ref = F.linear(silu_mul_reference(x).float(), dq)
+    else:
+        out = skinny_matmul(x, qw.to(DEV), **kw)
+        ref = F.linear(x.float(), dq)
     _close(out, ref, dtype)
 
 
@@ -116,11 +146,13 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
         g, x, w = _data(1, N, K, dtype, N)
         qw, sz = quantize_int4(w.float().cpu(), group)
         ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
-        for packed in ("1", "0"):
+        for packed, stream in itertools.product(("1", "0"), ("0", "1")):  # packed dot or not, streamed or not
             monkeypatch.setenv("O3EDGE_INT4_PACKED", packed)
+            monkeypatch.setenv("O3EDGE_INT4_STREAM", stream)
             out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
             _close(out, ref, dtype)
-        for M in (8, 32):  # decode batches: planned tiles (W @ x.T where it pays), then never swapped
+        for M, asm in itertools.product((8, 32), ("1", "0")):  # decode batches: planned tiles (W @ x.T where
+            monkeypatch.setenv("O3EDGE_INT4_ASM", asm)  # it pays), then never swapped; packed dequantize or not
             g, x, _ = _data(M, N, K, dtype, N + M)
             ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
             for swap in (None, "0"):

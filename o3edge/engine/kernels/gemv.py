@@ -174,11 +174,10 @@ def _pairs(x, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _int4_packed_row_dot(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    """_int4_row_dot on the GPU's packed half-precision instructions (PACKED_DOT_*): [BLOCK_N] float32."""
+def _int4_packed_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_int4_row_dot on the GPU's packed half-precision instructions (PACKED_DOT_*), for a tile of int32 words
+    (_int4_raw with WORD 4): [BLOCK_N] float32."""
     NG: tl.constexpr = BLOCK_K // GROUP
-    q, scale, zero = _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, 4)
     scale, zero = scale.to(tl.float32), zero.to(tl.float32)
     w0, w1, w2, w3 = _pairs(x, BLOCK_K, GROUP)
     args = [q, w0[None], w1[None], w2[None], w3[None]]
@@ -192,12 +191,85 @@ def _int4_packed_row_dot(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP
 
 
 @triton.jit
-def _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PACKED: tl.constexpr):
+def _int4_row_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PACKED: tl.constexpr):
+    """The stored INT4 tile a one-row dot takes: int32 words for the packed dot, bytes otherwise."""
+    return _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, 1 + 3 * PACKED)
+
+
+@triton.jit
+def _int4_tile_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
+    """One activation row x [1, BLOCK_K] against a stored tile from _int4_row_tile: [BLOCK_N] float32."""
     if PACKED:
-        return _int4_packed_row_dot(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
-    q, scale, zero = _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
-    return _int4_row_dot(x, q, scale, zero, GROUP, BLOCK_K)
+        acc = _int4_packed_row_dot(x, q, scale, zero, GROUP, BLOCK_K)
+    else:
+        acc = _int4_row_dot(x, q, scale, zero, GROUP, BLOCK_K)
+    return acc
+
+
+# One int32 word of eight INT4 weights (bytes of column pairs, even column in the high nibble) as the eight
+# halves (q - 8), in column order: per byte pair, a byte permute puts two nibbles in the two halves, one
+# logic op makes them 1024 + q (bf16: 128 + q), one packed subtract centers them. 1.5 instructions a
+# weight, against ~6 for nibble -> float32 one weight at a time.
+_DEQUANT_WORD = """{
+.reg .b32 hi, d, w, c;
+mov.b32 c, CENTER;
+shr.u32 hi, $8, 4;
+prmt.b32 d, hi, $8, 0x0400;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+mov.b32 {$0, $1}, w;
+prmt.b32 d, hi, $8, 0x0501;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+mov.b32 {$2, $3}, w;
+prmt.b32 d, hi, $8, 0x0602;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+mov.b32 {$4, $5}, w;
+prmt.b32 d, hi, $8, 0x0703;
+lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
+sub.TYPE w, w, c;
+mov.b32 {$6, $7}, w;
+}"""
+DEQUANT_WORD_F16 = tl.constexpr(_DEQUANT_WORD.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
+                                .replace("TYPE", "f16x2"))
+DEQUANT_WORD_BF16 = tl.constexpr(_DEQUANT_WORD.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
+                                 .replace(".TYPE", ".rn.bf16x2"))
+
+
+INTERPRETED = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _word_nibble(q, shift: tl.constexpr, dtype: tl.constexpr):
+    return (((q >> shift) & 0xF) - 8).to(dtype)
+
+
+@triton.jit
+def _int4_tile_asm(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                   dtype: tl.constexpr):
+    """weight_tile's INT4 tile on the GPU's packed half-precision instructions (DEQUANT_WORD_*), scaled in the
+    model dtype: [BLOCK_N, BLOCK_K]."""
+    q, scale, zero = _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, 4)
+    if INTERPRETED:  # the interpreter runs no PTX: the same eight halves from plain integer ops
+        c = (_word_nibble(q, 4, dtype), _word_nibble(q, 0, dtype), _word_nibble(q, 12, dtype),
+             _word_nibble(q, 8, dtype), _word_nibble(q, 20, dtype), _word_nibble(q, 16, dtype),
+             _word_nibble(q, 28, dtype), _word_nibble(q, 24, dtype))
+    elif dtype == tl.bfloat16:
+        c = tl.inline_asm_elementwise(DEQUANT_WORD_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [q], is_pure=True, pack=1,
+                                      dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                                             tl.bfloat16, tl.bfloat16, tl.bfloat16))
+    else:
+        c = tl.inline_asm_elementwise(DEQUANT_WORD_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r", [q], is_pure=True, pack=1,
+                                      dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
+                                             tl.float16, tl.float16))
+    s, z = scale.to(dtype)[:, :, None], zero.to(dtype)[:, :, None]
+    c0, c1, c2, c3 = c[0] * s + z, c[1] * s + z, c[2] * s + z, c[3] * s + z
+    c4, c5, c6, c7 = c[4] * s + z, c[5] * s + z, c[6] * s + z, c[7] * s + z
+    # join stacks on a new last axis, so column 4a + 2b + c sits at [.., a, b, c] after three joins
+    w = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(w, [w.shape[0], BLOCK_K])
 
 
 @triton.jit
@@ -210,9 +282,11 @@ def _dot(x, w, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+                 BLOCK_K: tl.constexpr, dtype: tl.constexpr, ASM: tl.constexpr = False):
     """Weight rows rn, columns k0 .. k0+BLOCK_K, as [BLOCK_N, BLOCK_K] in the model dtype."""
-    if INT4:
+    if INT4 and ASM:
+        w = _int4_tile_asm(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, dtype)
+    elif INT4:
         hi, lo, scale, zero = _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K)
         hi = hi.to(tl.float32) * scale[:, :, None] + zero[:, :, None]
         lo = lo.to(tl.float32) * scale[:, :, None] + zero[:, :, None]
@@ -230,7 +304,7 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
                    PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr,
                    SPLITS: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr = False,
-                   SWAP: tl.constexpr = False):
+                   SWAP: tl.constexpr = False, ASM: tl.constexpr = False):
     pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -253,9 +327,10 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
         x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, k0 + tl.arange(0, BLOCK_K), K, stride_x, rstd, PRO,
                         dtype)
         if BLOCK_M == 1 and INT4:
-            acc1 += _int4_gemv_tile(x, w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
+            q, scale, zero = _int4_row_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
+            acc1 += _int4_tile_row_dot(x, q, scale, zero, GROUP, BLOCK_K, PACKED)
         else:
-            w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype)
+            w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype, ASM)
             if BLOCK_M == 1:
                 acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
             elif SWAP:  # the weight tile is the dot's first operand (on Hopper it may stay in registers)
@@ -280,14 +355,16 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
 
 
 @triton.jit
-def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, N, K: tl.constexpr, stride_x,
-                       stride_w, eps, PRO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       K_TILES: tl.constexpr, BLOCKS: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr):
-    """One activation row of dense weights, a few programs per SM: each streams the row blocks pid,
-    pid + programs, ... tile after tile, the next weight tile's load issued before the current tile is
-    used. The prologue's statistics are computed once per program, not once per row block, and the
-    first tile is in flight before the wait for the previous kernel (weights are no kernel's output).
-    DEFER: products are summed across threads once per row block instead of once per tile."""
+def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.constexpr,
+                       stride_x, stride_w, eps, PRO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       K_TILES: tl.constexpr, BLOCKS: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
+                       INT4: tl.constexpr = False, GROUP: tl.constexpr = 1, PACKED: tl.constexpr = False):
+    """One activation row, a few programs per SM: each streams the row blocks pid, pid + programs, ...
+    tile after tile, the next weight tile's load issued before the current tile is used. The prologue's
+    statistics are computed once per program, not once per row block, and the first tile is in flight
+    before the wait for the previous kernel (weights are no kernel's output).
+    DEFER (dense): products are summed across threads once per row block instead of once per tile.
+    INT4: the stored tile (words for the packed dot) is what is in flight; it is unpacked when used."""
     pdl.launch_next(PDL)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
@@ -295,7 +372,10 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, bias_ptr, out
     m_mask = rm < 1
     rows = tl.arange(0, BLOCK_N)
     rn = pid * BLOCK_N + rows
-    w_next = weight_tile(w_ptr, None, rn, rn < N, 0, K, N, stride_w, False, 1, BLOCK_K, dtype)
+    if INT4:
+        q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn, rn < N, 0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
+    else:
+        w_next = weight_tile(w_ptr, None, rn, rn < N, 0, K, N, stride_w, False, 1, BLOCK_K, dtype)
     pdl.wait_for_previous(PDL)
     rstd = tl.zeros([1], tl.float32)
     if PRO == 1:
@@ -311,13 +391,19 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, bias_ptr, out
                 rn2, k2 = rn + programs * BLOCK_N, 0
             x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kt * BLOCK_K + tl.arange(0, BLOCK_K), K, stride_x,
                             rstd, PRO, dtype)
-            w = w_next
-            w_next = weight_tile(w_ptr, None, rn2, rn2 < N, k2, K, N, stride_w, False, 1, BLOCK_K, dtype)
-            if DEFER:
-                acc2 += w.to(tl.float32) * x.to(tl.float32)
+            if INT4:
+                q, sc, zr = q_next, s_next, z_next
+                q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP,
+                                                        BLOCK_K, PACKED)
+                acc += _int4_tile_row_dot(x, q, sc, zr, GROUP, BLOCK_K, PACKED)
             else:
-                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-        if DEFER:
+                w = w_next
+                w_next = weight_tile(w_ptr, None, rn2, rn2 < N, k2, K, N, stride_w, False, 1, BLOCK_K, dtype)
+                if DEFER:
+                    acc2 += w.to(tl.float32) * x.to(tl.float32)
+                else:
+                    acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
+        if DEFER and not INT4:
             acc = tl.sum(acc2, axis=1)
         if bias_ptr is not None:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
@@ -340,6 +426,34 @@ def packed_int4(x: torch.Tensor) -> bool:
             and os.environ.get("O3EDGE_INT4_PACKED", "1") != "0")
 
 
+def asm_int4(x: torch.Tensor) -> bool:
+    """Whether INT4 tiles of several rows are dequantized a word of eight weights at a time (DEQUANT_WORD_*,
+    scaled in the model dtype; under the interpreter, the same from plain integer ops) rather than nibble
+    by nibble through float32: for float16 and bfloat16 activations, unless O3EDGE_INT4_ASM=0.
+
+    Loaded as int32 words, the weight tiles are also software-pipelined (cp.async; the byte loads of the
+    float32 path were not) and need ~170 registers instead of 194-255. On the H200 (tools/bench_gemv.py
+    --grid, tinyllama-1.1b, op before included; docs/results/gpu-2026-12-01e/), best tilings: gate/up
+    26.2 -> 17.1 us at 8 rows and 20.1 -> 19.5 at 32; down 18.9 -> 13.3 and 21.0 -> 14.7 (fp16 on cuBLAS:
+    15.5 / 15.9 and 11.1 / 11.6)."""
+    return (x.dtype in (torch.float16, torch.bfloat16) and (x.is_cuda or INTERPRET)
+            and os.environ.get("O3EDGE_INT4_ASM", "1") != "0")
+
+
+def stream_int4(N: int, K: int) -> bool:
+    """Whether a one-row INT4 matmul streams its row blocks (_row_stream_kernel, the packed dot on stored
+    words in flight) like dense ones: for the shapes measured, many rows (gate/up, LM head) or long rows
+    (down), unless O3EDGE_INT4_STREAM=0 (or O3EDGE_GEMV_STREAM=0); O3EDGE_INT4_STREAM=1 streams every shape.
+
+    On the H200 (tools/bench_gemv.py --rows 1 --grid, op before fused in; docs/results/gpu-2026-12-01e/stream/)
+    against the skinny kernel: tinyllama-1.1b gate/up 9.2 -> 8.5 us, down 7.2 -> 4.9, LM head 19.0 -> 18.7;
+    llama-1b 11.6 -> 10.1, 9.0 -> 6.4, 71.1 -> 59.9. Before the packed dot, streamed INT4 tiles were slower."""
+    forced = os.environ.get("O3EDGE_INT4_STREAM")
+    if forced == "0" or os.environ.get("O3EDGE_GEMV_STREAM") == "0":
+        return False
+    return forced == "1" or N >= 8192 or K >= 4096
+
+
 def swap_int4(M: int, N: int) -> bool:
     """Whether INT4 tiles of M > 1 rows multiply as W @ x.T, the dequantized weight tile as the dot's first
     operand (which Hopper's wgmma can read from registers), rather than x @ W.T: from 32 rows.
@@ -355,16 +469,21 @@ def swap_int4(M: int, N: int) -> bool:
     return M >= 32
 
 
-def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, ...]:
-    """(BLOCK_N, BLOCK_K, splits, num_warps[, programs per SM]) for an M x K by K x N skinny matmul; a
-    fifth entry streams one row of dense weights (_row_stream_kernel) on that many programs per SM
-    (INT4 weights ignore it: streamed, they were slower on the H200, gemv-grid-stream2.json).
+def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, splits, num_warps[, programs per SM[, pipeline stages]]) for an M x K by K x N
+    skinny matmul; a fifth entry streams one row (_row_stream_kernel) on that many programs per SM (dense
+    weights; INT4 where stream_int4 says), a sixth sets the software pipeline's stages.
 
     At one row: wide K tiles (1,024-2,048 columns) over thin row slices, so each SM has many weight bytes
     in flight; dense weights stream on 6-8 programs per SM. The best tilings of H200 grid searches
     (tools/bench_gemv.py --grid: docs/results/gpu-2026-11-30/gemv-grid*.json, then
     docs/results/gpu-2026-12-01/gemv-grid-stream*.json), as rules by shape. O3EDGE_GEMV_STREAM=0 turns
     streaming off (to measure against)."""
+    if M > 1 and int4 and asm:  # the packed dequantize (asm_int4), sixth entry: pipeline stages
+        wide = N >= 8192
+        if M >= 32:  # swapped (swap_int4)
+            return (64, 256, 1, 4, 0, 3) if wide else (32, 256, 4, 4, 0, 3)
+        return (32, 256, 1, 4) if wide else (64, 256, 4, 8, 0, 4)
     if M > 1 and int4 and swap_int4(M, N):  # weight rows are the dot's rows: 64-128 of them a program
         wide = N >= 8192
         if M >= 32:
@@ -377,6 +496,8 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int) -> tuple[int, ...]:
         return (32, 256, 1, 4) if wide else (32, 512 if long else 256, 2, 4)
     if M > 1:
         return 32, min(256, triton.next_power_of_2(K)), 1, 4
+    if int4 and stream_int4(N, K):  # the FFN and the LM head
+        return (8, 2048, 1, 8, 4) if K >= 4096 else (16, min(1024, triton.next_power_of_2(K)), 1, 4, 8)
     if not int4 and os.environ.get("O3EDGE_GEMV_STREAM") != "0":  # whole 2,048-column tiles where they fit
         if K >= 4096:  # the down projection
             return (8, 2048, 1, 8, 6) if K % 2048 == 0 else (4, 1024, 1, 4, 8)
@@ -414,7 +535,10 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     from o3edge.engine.kernels import num_sms
 
     sms = num_sms(str(x.device))
-    block_n, block_k, splits, warps, *streamed = config or plan(M, N, K, int4, sms)
+    asm = int4 and M > 1 and asm_int4(x)
+    block_n, block_k, splits, warps, *extra = config or plan(M, N, K, int4, sms, asm)
+    streamed = extra[:1]  # a fifth entry: programs per SM of the one-row stream; a sixth: software pipeline stages
+    stages = {"num_stages": extra[1]} if len(extra) > 1 and extra[1] else {}
     if INTERPRET and config is None:  # Triton's interpreter (CPU tests): fewer, wider programs run faster
         block_n = max(block_n, min(64, triton.next_power_of_2(N)))
     if int4:
@@ -423,15 +547,16 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     res_out = torch.empty_like(x) if pro == PRO_NORM and residual is not None else None
     on = pdl.enabled(str(x.device))
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    if streamed and streamed[0] and M == 1 and not int4:
+    if streamed and streamed[0] and M == 1:
         blocks = triton.cdiv(N, block_n)
         programs = min(blocks, sms * streamed[0])
         _row_stream_kernel[(programs,)](
-            x, residual, res_out, norm_weight, weight, bias, out, N, K, x.stride(0), weight.stride(0), eps,
-            PRO=pro, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(K, block_k),
+            x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, out, N, K, x.stride(0),
+            weight.stride(0), eps, PRO=pro, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(K, block_k),
             BLOCKS=triton.cdiv(blocks, programs),
-            DEFER=block_n * block_k <= 32 * 32 * warps,  # at most 32 float32 partial sums a thread
-            PDL=on, num_warps=warps, **pdl.launch_options(on))
+            DEFER=not int4 and block_n * block_k <= 32 * 32 * warps,  # at most 32 float32 partial sums a thread
+            PDL=on, INT4=int4, GROUP=max(group_size, 1), PACKED=int4 and packed_int4(x), num_warps=warps,
+            **pdl.launch_options(on))
         return (out, x if residual is None else res_out) if pro == PRO_NORM else out
     k_per_split = -(-K // (splits * block_k)) * block_k
     iters = k_per_split // block_k
@@ -443,6 +568,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=on, PACKED=packed_int4(x) and int4 and M == 1, SWAP=int4 and swap_int4(M, N), num_warps=warps,
-        **pdl.launch_options(on))
+        PDL=on, PACKED=packed_int4(x) and int4 and M == 1, SWAP=int4 and swap_int4(M, N),
+        ASM=asm, num_warps=warps, **stages, **pdl.launch_options(on))
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
