@@ -93,11 +93,11 @@ def paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, 
 
 
 @triton.jit
-def softmax_step(s, v, m, l_sum, acc, IEEE: tl.constexpr, dtype, MAYBE_EMPTY: tl.constexpr = False):
+def softmax_step(s, v, m, l_sum, acc, IEEE: tl.constexpr, dtype, MAYBE_EMPTY: tl.constexpr = False, v_scale=None):
     """One tile of an online softmax: scores s [rows, keys] (masked: -inf), values v [keys, hd] -> the
     running max, sum and weighted values. Every row has seen a key by its first tile, unless MAYBE_EMPTY
     (a key split that may start past a row's position): then a row that has seen none keeps sum and
-    values 0 and max -inf."""
+    values 0 and max -inf. v_scale [keys]: each value row is v_scale times v (compressed values' codes)."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_ref = m_new
     if MAYBE_EMPTY:
@@ -105,10 +105,13 @@ def softmax_step(s, v, m, l_sum, acc, IEEE: tl.constexpr, dtype, MAYBE_EMPTY: tl
     p = tl.exp(s - m_ref[:, None])
     alpha = tl.exp(m - m_ref)
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    pv = p
+    if v_scale is not None:
+        pv = p * v_scale[None, :]
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(pv.to(dtype), v)
     return m_new, l_sum, acc
 
 

@@ -431,8 +431,9 @@ def asm_int4(x: torch.Tensor) -> bool:
     scaled in the model dtype; under the interpreter, the same from plain integer ops) rather than nibble
     by nibble through float32: for float16 and bfloat16 activations, unless O3EDGE_INT4_ASM=0.
 
-    Loaded as int32 words, the weight tiles are also software-pipelined (cp.async; the byte loads of the
-    float32 path were not) and need ~170 registers instead of 194-255. On the H200 (tools/bench_gemv.py
+    In the sm_90 code of tinyllama's gate/up tile at 8 rows (tools/kernel_sass.py gemv), the float32 path's
+    96 HADD2 + 64 FFMA + 34 F2FP + 122 LOP3 become 32 HADD2 + 32 HFMA2 + 63 LOP3 (both software-pipelined,
+    cp.async). On the H200 (tools/bench_gemv.py
     --grid, tinyllama-1.1b, op before included; docs/results/gpu-2026-12-01e/), best tilings: gate/up
     26.2 -> 17.1 us at 8 rows and 20.1 -> 19.5 at 32; down 18.9 -> 13.3 and 21.0 -> 14.7 (fp16 on cuBLAS:
     15.5 / 15.9 and 11.1 / 11.6)."""

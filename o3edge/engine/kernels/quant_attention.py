@@ -13,6 +13,8 @@ for one layer: codes [2 (K/V), slots, KVH, code_dim], scales [2, slots, KVH] flo
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -25,9 +27,8 @@ from o3edge.engine.kernels.decode_attention import (attend_range, attend_self, h
 
 
 @triton.jit
-def _load_dequant(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head,
-                  HD: tl.constexpr, BITS: tl.constexpr):
-    """[BLOCK_N, HD_PAD] float32 vectors of the given slots (rows outside n_mask: 0)."""
+def _load_codes(codes_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, HD: tl.constexpr, BITS: tl.constexpr):
+    """[BLOCK_N, HD_PAD] codes of the given slots as signed integers in float32 (rows outside n_mask: 0)."""
     mask = n_mask[:, None] & (d < HD)[None, :]
     base = slot[:, None] * stride_slot + kvh * stride_head
     if BITS == 8:
@@ -42,40 +43,66 @@ def _load_dequant(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stri
         byte = tl.load(codes_ptr + base + (d // 2)[None, :], mask=mask, other=0).to(tl.int32)
         nib = (byte >> ((d % 2) * 4)[None, :]) & 0xF
         q = tl.where(nib > 7, nib - 16, nib).to(tl.float32)
-    s = tl.load(scales_ptr + slot * s_slot + kvh * s_head, mask=n_mask, other=0.0).to(tl.float32)
-    return q * s[:, None]
+    return q
+
+
+@triton.jit
+def _load_scales(scales_ptr, slot, n_mask, kvh, s_slot, s_head):
+    """[BLOCK_N] float32 scales of the given slots (rows outside n_mask: 0)."""
+    return tl.load(scales_ptr + slot * s_slot + kvh * s_head, mask=n_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_dequant(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head,
+                  HD: tl.constexpr, BITS: tl.constexpr):
+    """[BLOCK_N, HD_PAD] float32 vectors of the given slots (rows outside n_mask: 0)."""
+    q = _load_codes(codes_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS)
+    return q * _load_scales(scales_ptr, slot, n_mask, kvh, s_slot, s_head)[:, None]
 
 
 @triton.jit
 def _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot, s_head, sm_scale,
                    HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK_N: tl.constexpr,
-                   BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
+                   BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr, SCALE_AFTER: tl.constexpr = False):
     """Compressed blocks table[j .. j+NB) (those before j_end) in one tile of CBLOCK_N >= NB * KV_BLOCK keys:
     (their mask, their slots, scaled scores [rows, CBLOCK_N], -inf off the mask). Key offs of the tile is
     the sequence's compressed key j * KV_BLOCK + offs. Off IEEE, the dequantized keys meet the query on
-    the tensor cores in the cache's dtype, as the full-precision keys do."""
+    the tensor cores in the cache's dtype, as the full-precision keys do. SCALE_AFTER: the codes themselves
+    (integers, exact in float16 and bfloat16) meet the query, and each key's score is scaled after the dot
+    (a multiply a key instead of one a key element)."""
     offs = tl.arange(0, CBLOCK_N)
     bi = j + offs // KV_BLOCK
     n_mask = (offs < NB * KV_BLOCK) & (bi < j_end)
     blk = tl.load(table + bi, mask=n_mask, other=0)
     slot = blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
-    k = _load_dequant(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD,
-                      BITS)
+    if SCALE_AFTER:
+        k = _load_codes(k_codes, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS)
+        k_scale = _load_scales(k_scales, slot, n_mask, kvh, s_slot, s_head) * sm_scale
+    else:
+        k = _load_dequant(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD,
+                          BITS)
+        k_scale = tl.full([CBLOCK_N], sm_scale, tl.float32)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q.to(dtype), tl.trans(k.to(dtype)))
-    return n_mask, slot, tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
+    return n_mask, slot, tl.where(n_mask[None, :], s * k_scale[None, :], float("-inf"))
 
 
 @triton.jit
 def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh, d, stride_slot,
                     stride_head, s_slot, s_head, sm_scale, HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr,
-                    CBLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
+                    CBLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr,
+                    SCALE_AFTER: tl.constexpr = False):
     """The online softmax over compressed blocks table[j .. j+NB) (_cblock_scores); off IEEE the
-    probabilities meet the dequantized values on the tensor cores in the cache's dtype."""
+    probabilities meet the dequantized values on the tensor cores in the cache's dtype. SCALE_AFTER: the
+    probabilities are scaled by each key's value scale and meet the value codes themselves."""
     n_mask, slot, s = _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot,
-                                     s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+                                     s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, SCALE_AFTER)
+    if SCALE_AFTER:
+        v = _load_codes(v_codes, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS)
+        v_scale = _load_scales(v_scales, slot, n_mask, kvh, s_slot, s_head)
+        return softmax_step(s, v if IEEE else v.to(dtype), m, l_sum, acc, IEEE, dtype, v_scale=v_scale)
     v = _load_dequant(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
     return softmax_step(s, v if IEEE else v.to(dtype), m, l_sum, acc, IEEE, dtype)
 
@@ -231,7 +258,7 @@ def _router_decode_kernel(
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, SCALE_AFTER: tl.constexpr = False):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
@@ -263,13 +290,13 @@ def _router_decode_kernel(
         while j < j_end:  # NB blocks a tile
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, SCALE_AFTER)
             j += NB
     else:
         for j in range(j_start, j_end, NB):
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, SCALE_AFTER)
     acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS)  # back from the rotated basis
 
     # merge the two pools: one (output, log-sum-exp) per row
@@ -287,6 +314,13 @@ def _router_decode_kernel(
                  KV_BLOCK, BLOCK_N, CBLOCK_N, NB, BITS, IEEE, dtype)
     store_rows(acc_all, l_all, m_safe, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr,
                (b * H + kvh * G + g) * NUM_SPLITS + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
+
+
+def scale_after() -> bool:
+    """Whether the router's decode kernel multiplies compressed keys' and values' codes on the tensor cores
+    as they are and applies their scales to the scores and probabilities, a multiply a key instead of one a
+    key element (_cblock_scores): only with O3EDGE_ROUTER_SCALE_AFTER=1 until it is measured on a GPU."""
+    return os.environ.get("O3EDGE_ROUTER_SCALE_AFTER") == "1"
 
 
 def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: torch.Tensor,
@@ -337,8 +371,8 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=block_n, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
-        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, num_warps=warps, num_stages=stages,
-        **pdl.launch_options(on))
+        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, SCALE_AFTER=scale_after(), num_warps=warps,
+        num_stages=stages, **pdl.launch_options(on))
     return merge_splits(out, part_o, part_lse, num_splits, on)
 
 

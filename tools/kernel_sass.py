@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Compile o3edge's Triton kernels for the H200 (sm_90) on a machine without a GPU and count what they became.
+
+GPU time is scarce; a kernel's registers, spills, shared memory, pipelined loads (cp.async) and
+instruction mix can be read before any is spent. A stand-in CUDA driver reports an sm_90 target, the
+kernel's own Python wrapper runs on CPU tensors (arguments are specialized as on a GPU: pointers and
+strides divisible by 16), Triton compiles with its bundled ptxas, and the launch that follows fails
+harmlessly. Counts are static (each instruction once, loops not unrolled), so they compare variants
+of one kernel, not kernels with each other.
+
+  python tools/kernel_sass.py gemv --rows 8 --n 11264 --k 2048 [--env O3EDGE_INT4_ASM=0]
+  python tools/kernel_sass.py router --mode int8 [--env O3EDGE_ROUTER_SCALE_AFTER=1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.driver import CudaDriver, CudaLauncher  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+class Sm90(CudaDriver):
+    """A CUDA driver that compiles for sm_90 and has no device (launches fail after the compile)."""
+
+    def __init__(self):  # CudaDriver's own loads libcuda
+        self.launcher_cls, self.utils = CudaLauncher, None
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def report(kernel, name: str) -> dict:
+    """Registers, spills, shared memory, global loads by kind and the SASS instruction mix of a compiled kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        res = subprocess.run([f"{BIN}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
+    ops = collections.Counter(mm.group(1).split(".")[0] for mm in
+                              re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
+    loads = collections.Counter(re.findall(r"(?:ld\.global|cp\.async\.c[ag])[\w.]*", kernel.asm["ptx"]))
+    return dict(kernel=name, registers=int(m.group(1)) if m else None, spill_bytes=int(m.group(2)) if m else None,
+                shared=kernel.metadata.shared, loads=dict(loads), instructions=sum(ops.values()),
+                top=ops.most_common(16))
+
+
+def compiled(*fns) -> list:
+    return [(fn.__name__, k) for fn in fns for cache in fn.device_caches.values() for k in cache[0].values()]
+
+
+def gemv(a) -> list:
+    import o3edge.engine.kernels as kernels
+    import o3edge.engine.kernels.gemv as g
+    from o3edge.engine.quant import quantize_int4
+
+    kernels.num_sms = lambda device: 132  # the H200's
+    g.packed_int4 = lambda x: os.environ.get("O3EDGE_INT4_PACKED", "1") != "0"  # as on a CUDA tensor
+    g.asm_int4 = lambda x: os.environ.get("O3EDGE_INT4_ASM", "1") != "0"
+    dtype = getattr(torch, a.dtype)
+    x = torch.randn(a.rows, a.k, dtype=dtype)
+    q, sz = quantize_int4(torch.randn(a.n, a.k) / 40, a.group)
+    try:
+        g.skinny_matmul(x, q, scales_and_zeros=sz, group_size=a.group, out_features=a.n)
+    except Exception:  # the launch: no device
+        pass
+    return compiled(g._skinny_kernel, g._row_stream_kernel)
+
+
+def router(a) -> list:
+    import o3edge.engine.kernels.quant_attention as qa
+    from tools.bench_attention import SHAPES, setup
+
+    H, KVH, hd = SHAPES[a.shape]
+    args = setup(a.mode, a.batch, a.context, H, KVH, hd, a.block_size, getattr(torch, a.dtype), "cpu")[:9]
+    try:
+        qa.router_decode_attention(*args, a.mode.split("-")[0], H, a.block_size, a.splits)
+    except Exception:
+        pass
+    return compiled(qa._router_decode_kernel)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("gemv", "router"))
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE set before compiling (repeatable)")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--n", type=int, default=11264)
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--mode", default="int8", help="router: int8, int4, int8-half, int4-half")
+    ap.add_argument("--shape", default="llama-1b")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--splits", type=int, default=3)
+    a = ap.parse_args()
+    for kv in a.env:
+        name, _, value = kv.partition("=")
+        os.environ[name] = value
+    driver.set_active(Sm90())
+    for name, kernel in (gemv(a) if a.what == "gemv" else router(a)):
+        r = report(kernel, name)
+        print(f"{r['kernel']}: {r['registers']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, "
+              f"{r['instructions']} instructions; loads {r['loads']}")
+        print("  " + ", ".join(f"{op} {n}" for op, n in r["top"]))
+
+
+if __name__ == "__main__":
+    main()
