@@ -6,6 +6,9 @@
 # `python tools/bench_gpu.py --reuse OUT.json --plot PNG` where matplotlib is installed.
 #   bash ../shared/peers/gpu/prepare.sh && bash ../shared/device/fetch-wheels.sh   # here, once
 #   device run (carry .peer and .whl): bash tools/bench_gpu_vs_llamacpp.sh   (GEMV=0: without bench_gemv)
+# A call carries at most 64 MiB of working tree, and the shipped models (58 MB) leave no room for .peer (15 MiB):
+# before the call, `echo /o3edge/models/ >> .git/info/exclude; git rm -r -q --cached o3edge/models` (a
+# random-weight benchmark does not need them), and `git reset -q` after it.
 # DURING_BUILD="commands" runs more GPU-only measurements while llama.cpp builds (about 4.5 minutes);
 # AFTER="commands" runs at the end (e.g. GPU tests with what is left of the call). More than 8 files in
 # $OUT at the end are bundled into $OUT/results.tar.gz (the device brings back at most 8 files a call).

@@ -211,27 +211,9 @@ def _int4_tile_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.const
 # halves (q - 8), in column order: per byte pair, a byte permute puts two nibbles in the two halves, one
 # logic op makes them 1024 + q (bf16: 128 + q), one packed subtract centers them. 1.5 instructions a
 # weight, against ~6 for nibble -> float32 one weight at a time.
-_DEQUANT_WORD = """{
-.reg .b32 hi, d, w, c;
-mov.b32 c, CENTER;
-shr.u32 hi, $8, 4;
-prmt.b32 d, hi, $8, 0x0400;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-mov.b32 {$0, $1}, w;
-prmt.b32 d, hi, $8, 0x0501;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-mov.b32 {$2, $3}, w;
-prmt.b32 d, hi, $8, 0x0602;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-mov.b32 {$4, $5}, w;
-prmt.b32 d, hi, $8, 0x0703;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-mov.b32 {$6, $7}, w;
-}"""
+_DEQUANT_WORD = ("{\n.reg .b32 hi, d, w, c;\nmov.b32 c, CENTER;\nshr.u32 hi, $8, 4;\n" + "".join(
+    f"prmt.b32 d, hi, $8, 0x0{4 + i}0{i};\nlop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;\nsub.TYPE w, w, c;\n"
+    f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, w;\n" for i in range(4)) + "}")  # byte pair i: columns 2i, 2i + 1
 DEQUANT_WORD_F16 = tl.constexpr(_DEQUANT_WORD.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
                                 .replace("TYPE", "f16x2"))
 DEQUANT_WORD_BF16 = tl.constexpr(_DEQUANT_WORD.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
