@@ -9,7 +9,7 @@ harmlessly. Counts are static (each instruction once, loops not unrolled), so th
 of one kernel, not kernels with each other.
 
   python tools/kernel_sass.py gemv --rows 8 --n 11264 --k 2048 [--env O3EDGE_INT4_ASM=0]
-  python tools/kernel_sass.py router --mode int8 [--env O3EDGE_ROUTER_SCALE_AFTER=1]
+  python tools/kernel_sass.py router --mode int8 [--env O3EDGE_ROUTER_FAST=1]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def report(kernel, name: str) -> dict:
     loads = collections.Counter(re.findall(r"(?:ld\.global|cp\.async\.c[ag])[\w.]*", kernel.asm["ptx"]))
     return dict(kernel=name, registers=int(m.group(1)) if m else None, spill_bytes=int(m.group(2)) if m else None,
                 shared=kernel.metadata.shared, loads=dict(loads), instructions=sum(ops.values()),
-                top=ops.most_common(16))
+                top=ops.most_common(16), conversions={op: n for op, n in ops.items() if op.startswith("I2F")})
 
 
 def compiled(*fns) -> list:
@@ -127,7 +127,7 @@ def main() -> None:
         r = report(kernel, name)
         print(f"{r['kernel']}: {r['registers']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, "
               f"{r['instructions']} instructions; loads {r['loads']}")
-        print("  " + ", ".join(f"{op} {n}" for op, n in r["top"]))
+        print("  " + ", ".join(f"{op} {n}" for op, n in r["top"]) + f"; int-to-float {r['conversions'] or 0}")
 
 
 if __name__ == "__main__":

@@ -27,23 +27,43 @@ from o3edge.engine.kernels.decode_attention import (attend_range, attend_self, h
 
 
 @triton.jit
-def _load_codes(codes_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, HD: tl.constexpr, BITS: tl.constexpr):
-    """[BLOCK_N, HD_PAD] codes of the given slots as signed integers in float32 (rows outside n_mask: 0)."""
+def _load_codes(codes_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, HD: tl.constexpr, BITS: tl.constexpr,
+                MAGIC: tl.constexpr = False):
+    """[BLOCK_N, HD_PAD] codes of the given slots as signed integers in float32 (rows outside n_mask: 0).
+    MAGIC: converted through half-precision bit patterns (_offset_value) instead of int-to-float."""
     mask = n_mask[:, None] & (d < HD)[None, :]
     base = slot[:, None] * stride_slot + kvh * stride_head
     if BITS == 8:
-        q = tl.load(codes_ptr + base + d[None, :], mask=mask, other=0).to(tl.float32)
+        byte = tl.load(codes_ptr + base + d[None, :], mask=mask, other=0)
+        if MAGIC:  # two's complement: the byte's value + 128 is its bits with the top one flipped
+            q = _offset_value((byte.to(tl.int32) & 0xFF) ^ 0x80, 128)
+        else:
+            q = byte.to(tl.float32)
     elif HD == d.shape[0]:  # each byte loaded once, its two codes interleaved back (low nibble first)
         half = tl.arange(0, HD // 2)
         byte = tl.load(codes_ptr + base + half[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
         lo, hi = byte & 0xF, (byte >> 4) & 0xF
-        lo, hi = tl.where(lo > 7, lo - 16, lo), tl.where(hi > 7, hi - 16, hi)
-        q = tl.reshape(tl.join(lo, hi), [byte.shape[0], HD]).to(tl.float32)
+        if MAGIC:
+            lo, hi = _offset_value(lo ^ 8, 8), _offset_value(hi ^ 8, 8)
+        else:
+            lo, hi = tl.where(lo > 7, lo - 16, lo).to(tl.float32), tl.where(hi > 7, hi - 16, hi).to(tl.float32)
+        q = tl.reshape(tl.join(lo, hi), [byte.shape[0], HD])
     else:
         byte = tl.load(codes_ptr + base + (d // 2)[None, :], mask=mask, other=0).to(tl.int32)
         nib = (byte >> ((d % 2) * 4)[None, :]) & 0xF
-        q = tl.where(nib > 7, nib - 16, nib).to(tl.float32)
+        if MAGIC:
+            q = _offset_value(nib ^ 8, 8)
+        else:
+            q = tl.where(nib > 7, nib - 16, nib).to(tl.float32)
     return q
+
+
+@triton.jit
+def _offset_value(u, offset: tl.constexpr):
+    """Codes stored with an offset (u = value + offset, 0 <= u < 1024, int32) as float32 values, exactly: the
+    half with bits 0x6400 | u is 1024 + u, so one logic op and a half-precision subtract replace an
+    int-to-float conversion (a quarter-rate instruction)."""
+    return ((u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + offset)).to(tl.float32)
 
 
 @triton.jit
@@ -76,7 +96,7 @@ def _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, s
     blk = tl.load(table + bi, mask=n_mask, other=0)
     slot = blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
     if SCALE_AFTER:
-        k = _load_codes(k_codes, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS)
+        k = _load_codes(k_codes, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS, True)
         k_scale = _load_scales(k_scales, slot, n_mask, kvh, s_slot, s_head) * sm_scale
     else:
         k = _load_dequant(k_codes, k_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD,
@@ -100,7 +120,7 @@ def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scale
     n_mask, slot, s = _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot,
                                      s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, SCALE_AFTER)
     if SCALE_AFTER:
-        v = _load_codes(v_codes, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS)
+        v = _load_codes(v_codes, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS, True)
         v_scale = _load_scales(v_scales, slot, n_mask, kvh, s_slot, s_head)
         return softmax_step(s, v if IEEE else v.to(dtype), m, l_sum, acc, IEEE, dtype, v_scale=v_scale)
     v = _load_dequant(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
@@ -239,14 +259,32 @@ def _observe(q, qf, k_new, lse, g_mask, n_full, n_comp, meta, MAX_BLOCKS, k_cach
 
 
 @triton.jit
-def _rotated(x, rot_ptr, d, n_comp, HD: tl.constexpr, BITS: tl.constexpr):
+def _butterfly(x, H: tl.constexpr):
+    """One stage of the fast Walsh-Hadamard transform over x's last axis: each pair of columns (i, i + H) in
+    blocks of 2H becomes (sum, difference)."""
+    R: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    a, b = tl.split(tl.permute(tl.reshape(x, [R, N // (2 * H), 2, H]), [0, 1, 3, 2]))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, N])
+
+
+@triton.jit
+def _rotated(x, rot_ptr, d, n_comp, HD: tl.constexpr, BITS: tl.constexpr, FWHT: tl.constexpr = False):
     """x [rows, HD_PAD] float32 in the INT4 pool's rotated basis (or back: the Hadamard matrix is its own
-    inverse); a float32 dot, none for INT8 or a row with nothing compressed."""
+    inverse); a float32 dot, none for INT8 or a row with nothing compressed. FWHT (a power-of-two HD): by
+    log2(HD) butterfly stages of additions instead of the [HD, HD] matrix (the normalised Sylvester one,
+    kv_quant.hadamard), which holds no matrix in registers."""
     if BITS == 4:
         if n_comp > 0:
-            rmask = (d < HD)[:, None] & (d < HD)[None, :]
-            rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
-            x = tl.dot(x, rot, input_precision="ieee")
+            if FWHT and HD == d.shape[0]:
+                for st in tl.static_range(8):  # head dims up to 256
+                    if (1 << st) < HD:
+                        x = _butterfly(x, 1 << st)
+                x = x / tl.sqrt(tl.full([1, 1], HD, tl.float32))
+            else:
+                rmask = (d < HD)[:, None] & (d < HD)[None, :]
+                rot = tl.load(rot_ptr + d[:, None] * HD + d[None, :], mask=rmask, other=0.0)
+                x = tl.dot(x, rot, input_precision="ieee")
     return x
 
 
@@ -258,7 +296,8 @@ def _router_decode_kernel(
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, SCALE_AFTER: tl.constexpr = False):
+        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, SCALE_AFTER: tl.constexpr = False,
+        FWHT: tl.constexpr = False):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
@@ -279,7 +318,7 @@ def _router_decode_kernel(
         m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
 
     # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
-    qf = _rotated(q.to(tl.float32), rot_ptr, d, n_comp, HD, BITS)
+    qf = _rotated(q.to(tl.float32), rot_ptr, d, n_comp, HD, BITS, FWHT)
     per = tl.cdiv(n_comp, NUM_SPLITS)
     j_start = split * per
     j_end = tl.minimum(j_start + per, n_comp)
@@ -297,7 +336,7 @@ def _router_decode_kernel(
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
                                               KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, SCALE_AFTER)
-    acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS)  # back from the rotated basis
+    acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS, FWHT)  # back from the rotated basis
 
     # merge the two pools: one (output, log-sum-exp) per row
     m_all = tl.maximum(m, m_c)
@@ -316,11 +355,16 @@ def _router_decode_kernel(
                (b * H + kvh * G + g) * NUM_SPLITS + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
 
 
-def scale_after() -> bool:
-    """Whether the router's decode kernel multiplies compressed keys' and values' codes on the tensor cores
-    as they are and applies their scales to the scores and probabilities, a multiply a key instead of one a
-    key element (_cblock_scores): only with O3EDGE_ROUTER_SCALE_AFTER=1 until it is measured on a GPU."""
-    return os.environ.get("O3EDGE_ROUTER_SCALE_AFTER") == "1"
+def fast_codes() -> bool:
+    """Whether the router's decode kernel runs its second-round code paths, only with O3EDGE_ROUTER_FAST=1
+    until they are measured on a GPU (tools/bench_attention.py): compressed keys' and values' codes
+    multiplied on the tensor cores as they are (exact in float16 and bfloat16), converted through
+    half-precision bit patterns, their scales applied to the scores and to the probabilities (a multiply a
+    key instead of one a key element; _cblock_scores); and INT4's Hadamard rotation of the query and output
+    by butterflies instead of a float32 matrix product (_rotated). Compiled for sm_90 (tools/kernel_sass.py
+    router, llama-1b at 4K x 16, bf16): INT8 161 -> 128 registers, no int-to-float conversions; INT4 255
+    registers and 136 bytes spilled -> 136 registers, none spilled."""
+    return os.environ.get("O3EDGE_ROUTER_FAST") == "1"
 
 
 def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: torch.Tensor,
@@ -355,6 +399,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
                          f"splits and {tuple(mass.shape)}")
     rot = rotation if rotation is not None else cos
     on = pdl.enabled(str(qkv.device))
+    fast = fast_codes()
     # compressed keys: 128 a tile (whole blocks) where the block size is a power of 2 up to 128, else one
     # block; on the H200 (llama-1b, 16 sequences at 4,096 tokens, 3 key splits) uniform INT8 took 71.5 us a
     # layer with 64 and 48.3 with 128, INT4 119.5 and 94.0 (tools/bench_attention.py --grid)
@@ -371,7 +416,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=block_n, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
-        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, SCALE_AFTER=scale_after(), num_warps=warps,
+        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, SCALE_AFTER=fast, FWHT=fast, num_warps=warps,
         num_stages=stages, **pdl.launch_options(on))
     return merge_splits(out, part_o, part_lse, num_splits, on)
 
