@@ -13,6 +13,8 @@ the projections on cuBLAS (or the INT4 module's own path, kernels/int4_matmul.py
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +33,13 @@ def _apply(mod, x):
     return F.linear(x, mod.weight) if isinstance(mod, torch.nn.Embedding) else mod(x)
 
 
+def int4_fused_rows() -> int:
+    """Up to how many rows INT4 projections take the op before them into their kernel: 1, unless
+    O3EDGE_INT4_FUSE_ROWS says more (up to gemv.MAX_ROWS), to measure whether a launch saved pays for the
+    activations every program then re-reads (not yet timed on a GPU)."""
+    return min(int(os.environ.get("O3EDGE_INT4_FUSE_ROWS", "1")), 64)
+
+
 def skinny_ok(mod, rows: int) -> bool:
     """Whether this projection runs on the skinny kernel with the op before fused in: at one row.
 
@@ -39,7 +48,7 @@ def skinny_ok(mod, rows: int) -> bool:
     projection on cuBLAS (dense) or on the module's own path (INT4: the skinny kernel without a
     prologue up to gemv.MAX_ROWS rows)."""
     if isinstance(mod, Int4Linear):
-        return mod.neutral and rows == 1
+        return mod.neutral and rows <= int4_fused_rows()
     return isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) and rows == 1
 
 
