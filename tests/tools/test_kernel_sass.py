@@ -1,0 +1,34 @@
+"""tools/kernel_sass.py: o3edge's Triton kernels compiled for the H200 (sm_90) on a machine without a GPU,
+and what the packed INT4 tile changes in them."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import require_triton
+
+require_triton()
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _sass(*args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "kernel_sass.py"), *args], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = re.search(r"_skinny_kernel: (\d+) registers, (\d+) bytes spilled, \d+ B shared, (\d+) instructions", out.stdout)
+    assert m, out.stdout
+    return int(m.group(1)), int(m.group(2)), out.stdout
+
+
+@pytest.mark.parametrize("asm", ["0", "1"])
+def test_int4_tile_compiles_for_sm90_without_spilling(asm):
+    regs, spilled, text = _sass("gemv", "--rows", "8", "--env", f"O3EDGE_INT4_ASM={asm}")  # tinyllama gate/up
+    assert 0 < regs <= 255 and spilled == 0
+    assert "cp.async" in text  # the weight tiles' loads are software-pipelined
+    packed = re.search(r"HFMA2 (\d+)", text)  # the word path scales eight halves with packed FMAs
+    assert bool(packed) == (asm == "1"), text
