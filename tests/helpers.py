@@ -4,11 +4,16 @@ import time
 
 import torch
 
+from o3edge.engine.cpu_features import cpu_bf16
+
 # Triton kernels run compiled on CUDA, and on CPU tensors under Triton's interpreter (tests/conftest.py),
 # which has no bfloat16 dot
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL_DTYPES = ([torch.float32, torch.float16, torch.bfloat16] if KERNEL_DEVICE == "cuda"
                  else [torch.float32, torch.float16])
+# what dtype "auto" runs a bfloat16 engine in on this machine's CPU: bfloat16 where the CPU multiplies it
+# natively (AVX512-BF16 or AMX), float32 where bf16 products would be emulated (engine.resolve_dtype)
+AUTO_CPU_DTYPE = "bfloat16" if cpu_bf16() else "float32"
 
 
 def wait_for(predicate, timeout=5.0, interval=0.02):
