@@ -96,8 +96,8 @@ def test_steps_launched_ahead_give_the_same_tokens_and_skip_refresh_steps(tiny_d
         runner = m.engine.runner
         runner.graphs = RouterDecodeGraphs(runner, 4, capture=False, launch_ahead=ahead)
         ids = [m.engine.encode(PROMPT + f"What is module {i}?") for i in range(3)]
-        outs.append([r.token_ids for r in m.generate_batch(ids, SamplingParams(max_new_tokens=24, ignore_eos=True))])
-        assert m.engine.blocks.num_demoted > 0 and runner.graphs.num_steps > 15
+        outs.append([r.token_ids for r in m.generate_batch(ids, SamplingParams(max_new_tokens=17, ignore_eos=True))])
+        assert m.engine.blocks.num_demoted > 0 and runner.graphs.num_steps > 12
         taken, steps = runner.graphs.num_ahead_taken, runner.graphs.num_steps
         print(f"launch ahead {ahead}: {taken} of {steps} graph steps taken from the queue")
         # of every 4 steps two are queued: not the refresh step (observing), nor the one after it (routed)
