@@ -70,9 +70,17 @@ def _row_rstd(x_ptr, res_ptr, res_out_ptr, rm, m_mask, K, stride_x, eps, write,
 
 
 @triton.jit
+def offset_half(u, offset: tl.constexpr):
+    """Codes stored with an offset (u = value + offset, 0 <= u < 1024, any int type) as float16 values, exactly,
+    by bits: the half 0x6400 | u is 1024 + u, so one logic op and a half-precision subtract replace an
+    int-to-float conversion (a quarter-rate instruction)."""
+    return (u.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + offset)
+
+
+@triton.jit
 def _centered(n):
-    """Nibbles 0..15 (any int type) -> (n - 8) as float16, by bits: 0x6400 | n is the half 1024 + n."""
-    return (n.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+    """Nibbles 0..15 -> (n - 8) as float16."""
+    return offset_half(n, 8)
 
 
 @triton.jit

@@ -23,6 +23,7 @@ from o3edge.engine.kernels import INTERPRET, pdl
 from o3edge.engine.kernels.decode_attention import (attend_range, attend_self, head_ranges, key_tile, new_token,
                                                      paged_scores, softmax_init, softmax_step, split_range,
                                                      store_rows)
+from o3edge.engine.kernels.gemv import offset_half
 
 
 
@@ -30,13 +31,13 @@ from o3edge.engine.kernels.decode_attention import (attend_range, attend_self, h
 def _load_codes(codes_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, HD: tl.constexpr, BITS: tl.constexpr,
                 MAGIC: tl.constexpr = False):
     """[BLOCK_N, HD_PAD] codes of the given slots as signed integers in float32 (rows outside n_mask: 0).
-    MAGIC: converted through half-precision bit patterns (_offset_value) instead of int-to-float."""
+    MAGIC: converted through half-precision bit patterns (gemv.offset_half) instead of int-to-float."""
     mask = n_mask[:, None] & (d < HD)[None, :]
     base = slot[:, None] * stride_slot + kvh * stride_head
     if BITS == 8:
         byte = tl.load(codes_ptr + base + d[None, :], mask=mask, other=0)
         if MAGIC:  # two's complement: the byte's value + 128 is its bits with the top one flipped
-            q = _offset_value((byte.to(tl.int32) & 0xFF) ^ 0x80, 128)
+            q = offset_half((byte.to(tl.int32) & 0xFF) ^ 0x80, 128).to(tl.float32)
         else:
             q = byte.to(tl.float32)
     elif HD == d.shape[0]:  # each byte loaded once, its two codes interleaved back (low nibble first)
@@ -44,7 +45,7 @@ def _load_codes(codes_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, HD: t
         byte = tl.load(codes_ptr + base + half[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
         lo, hi = byte & 0xF, (byte >> 4) & 0xF
         if MAGIC:
-            lo, hi = _offset_value(lo ^ 8, 8), _offset_value(hi ^ 8, 8)
+            lo, hi = offset_half(lo ^ 8, 8).to(tl.float32), offset_half(hi ^ 8, 8).to(tl.float32)
         else:
             lo, hi = tl.where(lo > 7, lo - 16, lo).to(tl.float32), tl.where(hi > 7, hi - 16, hi).to(tl.float32)
         q = tl.reshape(tl.join(lo, hi), [byte.shape[0], HD])
@@ -52,18 +53,11 @@ def _load_codes(codes_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, HD: t
         byte = tl.load(codes_ptr + base + (d // 2)[None, :], mask=mask, other=0).to(tl.int32)
         nib = (byte >> ((d % 2) * 4)[None, :]) & 0xF
         if MAGIC:
-            q = _offset_value(nib ^ 8, 8)
+            q = offset_half(nib ^ 8, 8).to(tl.float32)
         else:
             q = tl.where(nib > 7, nib - 16, nib).to(tl.float32)
     return q
 
-
-@triton.jit
-def _offset_value(u, offset: tl.constexpr):
-    """Codes stored with an offset (u = value + offset, 0 <= u < 1024, int32) as float32 values, exactly: the
-    half with bits 0x6400 | u is 1024 + u, so one logic op and a half-precision subtract replace an
-    int-to-float conversion (a quarter-rate instruction)."""
-    return ((u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + offset)).to(tl.float32)
 
 
 @triton.jit
@@ -296,8 +290,7 @@ def _router_decode_kernel(
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, SCALE_AFTER: tl.constexpr = False,
-        FWHT: tl.constexpr = False):
+        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr = False):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
@@ -318,7 +311,7 @@ def _router_decode_kernel(
         m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
 
     # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
-    qf = _rotated(q.to(tl.float32), rot_ptr, d, n_comp, HD, BITS, FWHT)
+    qf = _rotated(q.to(tl.float32), rot_ptr, d, n_comp, HD, BITS, FAST)
     per = tl.cdiv(n_comp, NUM_SPLITS)
     j_start = split * per
     j_end = tl.minimum(j_start + per, n_comp)
@@ -329,14 +322,14 @@ def _router_decode_kernel(
         while j < j_end:  # NB blocks a tile
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, SCALE_AFTER)
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FAST)
             j += NB
     else:
         for j in range(j_start, j_end, NB):
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, SCALE_AFTER)
-    acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS, FWHT)  # back from the rotated basis
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FAST)
+    acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS, FAST)  # back from the rotated basis
 
     # merge the two pools: one (output, log-sum-exp) per row
     m_all = tl.maximum(m, m_c)
@@ -363,7 +356,7 @@ def fast_codes() -> bool:
     key instead of one a key element; _cblock_scores); and INT4's Hadamard rotation of the query and output
     by butterflies instead of a float32 matrix product (_rotated). Compiled for sm_90 (tools/kernel_sass.py
     router, llama-1b at 4K x 16, bf16): INT8 161 -> 128 registers, no int-to-float conversions; INT4 255
-    registers and 136 bytes spilled -> 136 registers, none spilled."""
+    registers and 136 bytes spilled -> 160 registers, none spilled."""
     return os.environ.get("O3EDGE_ROUTER_FAST") == "1"
 
 
@@ -416,7 +409,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=block_n, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
-        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, SCALE_AFTER=fast, FWHT=fast, num_warps=warps,
+        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, FAST=fast, num_warps=warps,
         num_stages=stages, **pdl.launch_options(on))
     return merge_splits(out, part_o, part_lse, num_splits, on)
 
