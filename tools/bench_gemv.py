@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from o3edge.engine.decode_step import int4_fused_rows  # noqa: E402
 from o3edge.engine.kernels.activation import silu_mul  # noqa: E402
 from o3edge.engine.kernels.gemv import MAX_ROWS, asm_int4, plan, skinny_matmul  # noqa: E402
 from o3edge.engine.kernels.int4_matmul import int4_matmul  # noqa: E402
@@ -97,7 +96,7 @@ class Case:
         kw = dict(config=config)
         if self.int4:
             kw.update(scales_and_zeros=w[1], group_size=GROUP, out_features=self.N)
-        if self.M == 1 or (self.int4 and self.M <= int4_fused_rows()):  # the op fused in (decode_step.skinny_ok)
+        if self.M == 1:
             if self.pro == "norm":
                 kw.update(norm_weight=self.nw, residual=self.res, eps=1e-5)
             return skinny_matmul(self.x, w[0], silu=self.pro == "silu", **kw)

@@ -13,8 +13,6 @@ the projections on cuBLAS (or the INT4 module's own path, kernels/int4_matmul.py
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -33,22 +31,17 @@ def _apply(mod, x):
     return F.linear(x, mod.weight) if isinstance(mod, torch.nn.Embedding) else mod(x)
 
 
-def int4_fused_rows() -> int:
-    """Up to how many rows INT4 projections take the op before them into their kernel: 1, unless
-    O3EDGE_INT4_FUSE_ROWS says more (up to gemv.MAX_ROWS), to measure whether a launch saved pays for the
-    activations every program then re-reads (not yet timed on a GPU)."""
-    return min(int(os.environ.get("O3EDGE_INT4_FUSE_ROWS", "1")), 64)
-
-
 def skinny_ok(mod, rows: int) -> bool:
     """Whether this projection runs on the skinny kernel with the op before fused in: at one row.
 
     Above one row, each program would re-read (and re-normalize) every activation row, which cost
     more than the launch it saves (tools/bench_gemv.py): the op runs as its own kernel and the
     projection on cuBLAS (dense) or on the module's own path (INT4: the skinny kernel without a
-    prologue up to gemv.MAX_ROWS rows)."""
+    prologue up to gemv.MAX_ROWS rows). For INT4 tiles this was timed on the H200 (2026-12-01, the op
+    fused into tiles of 8 and 32 rows: docs/results/gpu-2026-12-01f/same-run/gemv-fuse*.json): tinyllama
+    gate/up 17.3 -> 23.5 us at 8 rows, down 13.2 -> 40.1; llama-1b down 15.9 -> 75.6."""
     if isinstance(mod, Int4Linear):
-        return mod.neutral and rows <= int4_fused_rows()
+        return mod.neutral and rows == 1
     return isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) and rows == 1
 
 

@@ -120,27 +120,6 @@ def test_streamed_int4_row_matches_the_dequantized_linear(dtype, pro, config):
     _close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("pro", ["norm", "silu"])
-@pytest.mark.parametrize("asm", ["0", "1"])
-def test_int4_tiles_of_several_rows_take_the_op_before(pro, asm, monkeypatch):
-    """INT4 tiles of several rows with the op before fused in (what O3EDGE_INT4_FUSE_ROWS routes there)."""
-    monkeypatch.setenv("O3EDGE_INT4_ASM", asm)
-    dtype = DTYPES[-1]
-    M, N, K, group = 8, 48, 256, 64
-    g, x, w = _data(M, N, K, dtype, 13, x_cols=2 * K if pro == "silu" else K)
-    qw, sz = quantize_int4(w.float().cpu(), group)
-    dq = dequantize_int4(qw, sz, K).to(dtype).float().to(DEV)
-    kw = dict(scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
-    if pro == "norm":
-        res = torch.randn(M, K, generator=g).to(DEV, dtype)
-        nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, dtype)
-        out, new_res = skinny_matmul(x, qw.to(DEV), norm_weight=nw, residual=res.clone(), eps=1e-5, **kw)
-        _close(out, F.linear(add_rmsnorm_reference(x, res.clone(), nw, 1e-5).float(), dq), dtype)
-        _close(new_res, x.float() + res.float(), dtype)
-    else:
-        _close(skinny_matmul(x, qw.to(DEV), silu=True, **kw), F.linear(silu_mul_reference(x).float(), dq), dtype)
-
-
 def test_more_rows_than_a_decode_batch_are_refused():
     x, w = torch.zeros(65, 8, device=DEV), torch.zeros(8, 8, device=DEV)
     with pytest.raises(ValueError, match="at most 64"):

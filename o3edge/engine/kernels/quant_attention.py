@@ -349,15 +349,17 @@ def _router_decode_kernel(
 
 
 def fast_codes() -> bool:
-    """Whether the router's decode kernel runs its second-round code paths, only with O3EDGE_ROUTER_FAST=1
-    until they are measured on a GPU (tools/bench_attention.py): compressed keys' and values' codes
-    multiplied on the tensor cores as they are (exact in float16 and bfloat16), converted through
-    half-precision bit patterns, their scales applied to the scores and to the probabilities (a multiply a
-    key instead of one a key element; _cblock_scores); and INT4's Hadamard rotation of the query and output
-    by butterflies instead of a float32 matrix product (_rotated). Compiled for sm_90 (tools/kernel_sass.py
-    router, llama-1b at 4K x 16, bf16): INT8 161 -> 128 registers, no int-to-float conversions; INT4 255
-    registers and 136 bytes spilled -> 160 registers, none spilled."""
-    return os.environ.get("O3EDGE_ROUTER_FAST") == "1"
+    """Whether the router's decode kernel runs its second-round code paths (the default; O3EDGE_ROUTER_FAST=0
+    turns them off, to measure against): compressed keys' and values' codes multiplied on the tensor cores
+    as they are (exact in float16 and bfloat16), converted through half-precision bit patterns, their scales
+    applied to the scores and to the probabilities (a multiply a key instead of one a key element;
+    _cblock_scores); and INT4's Hadamard rotation of the query and output by butterflies instead of a
+    float32 matrix product (_rotated). Compiled for sm_90 (tools/kernel_sass.py router, llama-1b at 4K x 16,
+    bf16): INT8 161 -> 128 registers, no int-to-float conversions; INT4 255 registers and 136 bytes spilled
+    -> 160 registers, none spilled. On the H200 (tools/bench_attention.py, llama-1b, 4K x 16, every sealed
+    block compressed; docs/results/gpu-2026-12-01f/router/): INT8 48.96 -> 46.18 us a layer (full-precision
+    decode attention over bf16 K/V: 46.24), INT4 92.22 -> 57.34."""
+    return os.environ.get("O3EDGE_ROUTER_FAST") != "0"
 
 
 def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: torch.Tensor,
