@@ -9,6 +9,47 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpret_device_calls_without_repatching():
+    """Triton's interpreter patches triton.language for the whole of a launch, and then again on every
+    call of a @triton.jit helper inside it (never undone: the launch's restore covers it): a fifth of an
+    interpreted decode step's time (py-spy). Here each module's helpers patch once a launch, on their
+    first call; the kernels' arithmetic is the interpreter's own either way."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no Triton here: the kernel tests are skipped
+        return
+    if not hasattr(interpreter, "_patch_lang") or not hasattr(interpreter.InterpretedFunction, "rewrite"):
+        return  # another Triton: leave it as it is
+    patched = None  # ids of the helper modules patched in the running launch
+    launch = interpreter.GridExecutor.__call__
+
+    def launch_once(self, *args, **kwargs):
+        nonlocal patched
+        outer, patched = patched, set()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched = outer
+
+    def call(self, *args, **kwargs):
+        module = id(self.fn.__globals__)
+        if patched is None or module not in patched:
+            interpreter._patch_lang(self.fn)
+            if patched is not None:
+                patched.add(module)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__ = launch_once
+    interpreter.InterpretedFunction.__call__ = call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpret_device_calls_without_repatching()
+
 from o3edge.tiny import corpus, make_checkpoint
 
 # small variants of the tiny shape, one per family feature the engine must get right

@@ -541,6 +541,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     if streamed and streamed[0] and M == 1:
         blocks = triton.cdiv(N, block_n)
         programs = min(blocks, sms * streamed[0])
+        if INTERPRET and config is None:  # each program recomputes the prologue's statistics: two programs
+            programs = min(programs, 2)
         _row_stream_kernel[(programs,)](
             x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, out, N, K, x.stride(0),
             weight.stride(0), eps, PRO=pro, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(K, block_k),
