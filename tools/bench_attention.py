@@ -6,7 +6,8 @@ at one batch and context, over tilings and key splits (which is faster, and how 
 
 Cases: `off` (kernels/decode_attention.py over bf16 K/V), `int8` and `int4` (kernels/quant_attention.py
 with every sealed block compressed, as uniform INT8/INT4 KV), `int8-half` (half the blocks compressed,
-as the router with half its tokens salient). Block tables are shuffled as a long-running pool's are.
+as the router with half its tokens salient), `int8-none` (the router's kernel with nothing compressed, as
+on random weights or early in a sequence: the same bytes as `off`). Block tables are shuffled as a long-running pool's are.
 Each case is timed as a CUDA graph of 50 calls replayed 10 times (µs a call, median of 5 replays), and
 its bytes (K/V read, codes and scales) over that time give GB/s. Without --grid, each case runs at
 the engine's planned tiling and splits (cuda_graph.attention_splits: eight programs per SM for the
@@ -54,7 +55,7 @@ def setup(case: str, B: int, ctx: int, H: int, KVH: int, hd: int, bs: int, dtype
         read = B * ctx * KVH * hd * 2 * k_cache.element_size()
         return qkv, cos, sin, meta.to(device), k_cache, v_cache, None, None, None, read
     mode = case.split("-")[0]
-    share = 0.5 if case.endswith("-half") else 1.0
+    share = {"half": 0.5, "none": 0.0}.get(case.split("-")[-1], 1.0)
     n_comp = int(ctx // bs * share)
     n_full = ctx - n_comp * bs
     rot = hadamard(hd, device=device) if mode == "int4" else None
@@ -139,7 +140,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--cases", default="off,int8,int4,int8-half")
+    ap.add_argument("--cases", default="off,int8,int4,int8-half,int8-none")
     ap.add_argument("--grid", action="store_true")
     ap.add_argument("--splits", default=None, help="also these key splits at the planned tiling (comma-separated)")
     ap.add_argument("--configs", default=None,
