@@ -343,6 +343,9 @@ def gpu(a) -> dict:
                       "preemptions": st.get("preemptions"), "steps": len(steps), "step_ms_p50": round(q[0], 3),
                       "step_ms_p90": round(q[1], 3), "step_ms_p99": round(q[2], 3), "step_ms_max": round(max(steps), 3),
                       "step_ms_sum_top_16th": round(sum(sorted(steps)[-max(1, len(steps) // 16):]), 2)}
+        graphs = eng.runner.graphs
+        if graphs is not None:  # steps taken from the launch-ahead queue, of the graph steps
+            rows[name].update(graph_steps=graphs.num_steps, steps_launched_ahead=graphs.num_ahead_taken)
         print(name, rows[name], flush=True)
         del eng
         free_device_memory()

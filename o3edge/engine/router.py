@@ -279,7 +279,9 @@ class KVRouter:
             ctx = seq.num_computed_tokens + n
             if ctx < len(seq):
                 continue  # a prompt chunk that does not end the prompt
-            state = self.seqs.setdefault(seq.seq_id, _SeqSaliency(self.device))
+            state = self.seqs.get(seq.seq_id)
+            if state is None:  # (not setdefault: that made two tensors a sequence every step, to throw away)
+                state = self.seqs[seq.seq_id] = _SeqSaliency(self.device)
             if seq.num_output_tokens > 0 and not due:
                 continue
             state.grow(ctx)
