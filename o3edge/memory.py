@@ -57,21 +57,27 @@ def drop_pages(address: int, nbytes: int) -> None:
 
 
 class Trimmer:
-    """Counts large inputs; trims at most once a TRIM_EVERY_S, when at least TRIM_AFTER_BYTES came in."""
+    """Counts large inputs; trims at most once a TRIM_EVERY_S, when at least TRIM_AFTER_BYTES came in.
+
+    A trim made while requests are in flight cannot return what their work still holds (a long prompt
+    being tokenized, its reply being built): one more trim follows once nothing is in flight, or the
+    daemon could stay tens of MiB up for good after its last big input."""
 
     def __init__(self):
         self.pending_bytes = 0
         self.last = 0.0
         self.num_trims = 0
+        self.follow_up = False
 
     def note(self, num_bytes: int) -> None:
         self.pending_bytes += num_bytes
 
-    def maybe_trim(self) -> None:
-        """Call when idle."""
+    def maybe_trim(self, busy: bool = False) -> None:
+        """Call when idle; busy: requests are still in flight."""
         now = time.monotonic()
-        if self.pending_bytes >= TRIM_AFTER_BYTES and now - self.last >= TRIM_EVERY_S:
-            self.pending_bytes, self.last = 0, now
+        due = self.pending_bytes >= TRIM_AFTER_BYTES or (self.follow_up and not busy)
+        if due and now - self.last >= TRIM_EVERY_S:
+            self.pending_bytes, self.last, self.follow_up = 0, now, busy
             trim()
             self.num_trims += 1
 

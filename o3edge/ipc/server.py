@@ -239,7 +239,7 @@ class IPCServer:
                 for message in batch:
                     self._handle(*message)
                 if not batch and not more:
-                    self.trimmer.maybe_trim()
+                    self.trimmer.maybe_trim(busy=len(self.routes) > 0)
                     self._sleep(poller)
             with self.lock:
                 self._forward()
