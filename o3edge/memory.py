@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 M_ARENA_MAX = -8  # mallopt parameter (glibc's malloc.h)
 TRIM_AFTER_BYTES = 1 << 20  # input seen since the last trim that makes a trim worth its cost
 TRIM_EVERY_S = 1.0
+QUIET_S = 1.0  # no input for this long and nothing in flight: the work on the last inputs is done
 
 
 def _libc():
@@ -59,27 +60,36 @@ def drop_pages(address: int, nbytes: int) -> None:
 class Trimmer:
     """Counts large inputs; trims at most once a TRIM_EVERY_S, when at least TRIM_AFTER_BYTES came in.
 
-    A trim made while requests are in flight cannot return what their work still holds (a long prompt
-    being tokenized, its reply being built): one more trim follows once nothing is in flight, or the
-    daemon could stay tens of MiB up for good after its last big input."""
+    A trim made between or during requests cannot return what later work still holds (a long prompt
+    being tokenized, a prompt being served) and smaller inputs after it never reach the threshold
+    again, so one more trim follows once the daemon is quiet: no input for QUIET_S and nothing in
+    flight. Without it the daemon could stay tens of MiB up for good after its last big input."""
 
     def __init__(self):
         self.pending_bytes = 0
         self.last = 0.0
+        self.last_input = 0.0
         self.num_trims = 0
         self.follow_up = False
 
     def note(self, num_bytes: int) -> None:
         self.pending_bytes += num_bytes
+        self.last_input = time.monotonic()
 
     def maybe_trim(self, busy: bool = False) -> None:
         """Call when idle; busy: requests are still in flight."""
         now = time.monotonic()
-        due = self.pending_bytes >= TRIM_AFTER_BYTES or (self.follow_up and not busy)
-        if due and now - self.last >= TRIM_EVERY_S:
-            self.pending_bytes, self.last, self.follow_up = 0, now, busy
-            trim()
-            self.num_trims += 1
+        if now - self.last < TRIM_EVERY_S:
+            return
+        if self.pending_bytes >= TRIM_AFTER_BYTES:
+            self.follow_up = True
+        elif not (self.follow_up and not busy and now - self.last_input >= QUIET_S):
+            return
+        else:
+            self.follow_up = False
+        self.pending_bytes, self.last = 0, now
+        trim()
+        self.num_trims += 1
 
 
 def rss_breakdown() -> dict:

@@ -34,7 +34,7 @@ def test_rss_returns_to_baseline_after_big_inputs(rel_daemon, figures):
         memory = c.info()["memory"]
         figures("memory_after_big_inputs", baseline_mib=mib(baseline), peak_mib=mib(peak),
                 after_mib=mib(proc.memory_info().rss), inputs=18, idle_breakdown=memory)
-        assert settled, (mib(baseline), mib(peak), mib(proc.memory_info().rss))
+        assert settled, (mib(baseline), mib(peak), mib(proc.memory_info().rss), memory)
         assert memory["rss_mib"] > 0 and memory["anon_mib"] > 0 and memory["kv_cache_mib"] > 0
         assert memory["weights_mib"] > 0
 

@@ -3,8 +3,9 @@
 from o3edge import memory
 
 
-def test_a_trim_made_while_requests_are_in_flight_is_followed_by_one_once_they_are_done(monkeypatch):
+def test_big_inputs_are_trimmed_and_once_more_when_the_daemon_is_quiet(monkeypatch):
     monkeypatch.setattr(memory, "TRIM_EVERY_S", 0.0)
+    monkeypatch.setattr(memory, "QUIET_S", 0.0)
     t = memory.Trimmer()
     t.note(100)
     t.maybe_trim()
@@ -12,12 +13,23 @@ def test_a_trim_made_while_requests_are_in_flight_is_followed_by_one_once_they_a
     t.note(2 << 20)
     t.maybe_trim(busy=True)
     assert t.num_trims == 1
+    t.note(3000)  # a small prompt after it: the memory its serving frees is not covered by that trim
     t.maybe_trim(busy=True)
-    assert t.num_trims == 1  # the big request is still being worked on: its memory is not free yet
+    assert t.num_trims == 1  # still being worked on
     t.maybe_trim(busy=False)
-    assert t.num_trims == 2  # done: what it held goes back too
+    assert t.num_trims == 2  # quiet: what the work held goes back too
     t.maybe_trim(busy=False)
     assert t.num_trims == 2  # and nothing more until the next big input
+
+
+def test_the_follow_up_waits_for_quiet(monkeypatch):
+    monkeypatch.setattr(memory, "TRIM_EVERY_S", 0.0)
+    monkeypatch.setattr(memory, "QUIET_S", 3600.0)
+    t = memory.Trimmer()
+    t.note(2 << 20)
+    t.maybe_trim()
+    t.maybe_trim()
+    assert t.num_trims == 1  # input came in just now: requests may still follow and be worked on
 
 
 def test_trims_are_spaced(monkeypatch):
