@@ -79,15 +79,11 @@ class Trimmer:
     def maybe_trim(self, busy: bool = False) -> None:
         """Call when idle; busy: requests are still in flight."""
         now = time.monotonic()
-        if now - self.last < TRIM_EVERY_S:
+        big = self.pending_bytes >= TRIM_AFTER_BYTES
+        quiet = self.follow_up and not busy and now - self.last_input >= QUIET_S
+        if now - self.last < TRIM_EVERY_S or not (big or quiet):
             return
-        if self.pending_bytes >= TRIM_AFTER_BYTES:
-            self.follow_up = True
-        elif not (self.follow_up and not busy and now - self.last_input >= QUIET_S):
-            return
-        else:
-            self.follow_up = False
-        self.pending_bytes, self.last = 0, now
+        self.pending_bytes, self.last, self.follow_up = 0, now, big  # a big input's trim is followed up
         trim()
         self.num_trims += 1
 

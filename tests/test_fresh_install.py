@@ -4,8 +4,8 @@ user runs first must work there: a dependency used at run time but not declared 
 here and nowhere else, since the test environment has every extra.
 
 Marked `slow` (it still runs in CI, where only `gpu` and `reliability_long` are left out): ~1 minute on
-a 2-core machine (100 s before pip stopped byte-compiling what it installs). pip's cache (and /opt/wheels, where present)
-keeps downloads out of it after the first run.
+a 2-core machine (100 s before pip stopped byte-compiling what it installs). pip's cache (and
+/opt/wheels, where present) keeps downloads out of it after the first run.
 """
 
 import os
