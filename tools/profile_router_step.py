@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/o3edge-bench-router")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.setting == "off":  # no router: its steps are DecodeGraphs' (tools/bench_router.py --gpu times them)
+        ap.error("--setting: a router setting (router-int8, router-int4, ...); off has no router steps")
     from make_tiny_model import SHAPES
 
     from o3edge.tiny import make_checkpoint
