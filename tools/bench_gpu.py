@@ -92,7 +92,10 @@ def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192, int4_all=Fals
     for _ in range(7):
         ttfts.append(model.generate_batch(prompts(1), params)[0].ttft_s)
     rows = {"ttft_ms": statistics.median(ttfts) * 1e3, "load_s": model.engine.info.load_seconds}
+    graphs = model.engine.runner.graphs
     for B in batches:
+        if graphs is not None:
+            graphs.num_steps = graphs.num_ahead_taken = 0
         runs, e0, t0 = [], energy.read() if energy.read else None, time.perf_counter()
         while len(runs) < 3 or time.perf_counter() - t0 < 3.0:
             runs.append(generation(model, prompts(B)))
@@ -100,6 +103,8 @@ def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192, int4_all=Fals
         rows[f"b{B}"] = dict(tok_s=statistics.median(r["decode_tok_s"] for r in runs),
                              e2e_tok_s=statistics.median(r["e2e_tok_s"] for r in runs),
                              tok_j=len(runs) * B * NEW / joules if joules else None, runs=len(runs))
+        if graphs is not None:  # decode steps taken from the launch-ahead queue (cuda_graph.DecodeGraphs)
+            rows[f"b{B}"].update(graph_steps=graphs.num_steps, steps_launched_ahead=graphs.num_ahead_taken)
     del model
     torch.cuda.empty_cache()
     return rows

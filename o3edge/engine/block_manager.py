@@ -200,6 +200,17 @@ class BlockManager:
         if self.blocks_for(len(seq)) > len(seq.block_table):
             seq.block_table.append(self._take_free())
 
+    def reserve_next(self, seq: Sequence) -> bool:
+        """Give seq the block of the token after its newest now, if a block is free, so that a step
+        launched ahead (cuda_graph.py) can write that token's K/V; False when none is free. Never
+        preempts: the block would be taken one step later anyway, and goes back with seq's others."""
+        if self.blocks_for(len(seq) + 1) <= len(seq.block_table):
+            return True
+        if self.num_free_blocks == 0:
+            return False
+        seq.block_table.append(self._take_free())
+        return True
+
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Record that num_tokens more of seq's K/V are written; name the blocks this filled."""
         seq.num_computed_tokens += num_tokens

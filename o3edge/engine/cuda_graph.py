@@ -65,13 +65,15 @@ def capture_graphs(sizes: list[int], forward, what: str) -> dict:
 class DecodeGraphs:
     """Decode steps on static buffers, replayed from one CUDA graph per batch bucket.
 
-    With launch_ahead (the default when capturing), a greedy step whose sequences all continue in
-    their current KV block also queues the next step before it returns: that step's input tokens are
-    this step's greedy outputs, copied on the device, so the GPU computes step n+1 while the host
-    streams step n's tokens and schedules. If the engine's next batch is that same batch one token
-    on, the queued step is taken as it is; if not (a sequence finished, a request arrived, sampling),
-    its results are dropped. That is safe: it wrote only the K/V that the sequences' own next token
-    will write again, into slots of blocks they held and that no cached prefix shares.
+    With launch_ahead (the default when capturing), a greedy step also queues the next step before it
+    returns: that step's input tokens are this step's greedy outputs, copied on the device, so the GPU
+    computes step n+1 while the host streams step n's tokens and schedules. If the engine's next batch
+    is that same batch one token on, or the same less sequences that finished or were preempted, the
+    queued step is taken (the rows of those that left are passed over); if not (a request joined,
+    sampling), its results are dropped. That is safe: a row wrote only the K/V of its sequence's next
+    position, into a slot of a block the sequence held (given one step early when the position starts
+    a block) that no cached prefix shares, since only full blocks are named; a block freed since is
+    written again before it is read, by steps that run after the queued one on the same stream.
     """
 
     ATTENTION_PER_SM = 8  # attention programs per SM that the key splits aim for (attention_splits)
@@ -101,6 +103,10 @@ class DecodeGraphs:
         self.num_fills = 0
         self.tokens_host = torch.zeros(B, dtype=torch.long, pin_memory=pinned)
         self.tokens_ready = torch.cuda.Event() if pinned else None
+        # rows of a queued step kept when sequences left the batch (_select); two host buffers as for meta
+        self.rows_host = [torch.zeros(B, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.rows_dev = torch.zeros(B, dtype=torch.long, device=dev)
+        self.num_selects = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.ahead: list[tuple[int, int, int]] | None = None  # (seq_id, position, token) of the queued step
         self.num_steps = self.num_ahead_taken = 0
@@ -154,24 +160,51 @@ class DecodeGraphs:
         meta[len(batch):B, :3] = (0, 0, self.runner.scratch_slot)  # padding rows: scratch slot, self only
 
     def _continues(self, batch) -> bool:
-        """Whether every sequence's next position is in a block it already holds and it may go on."""
-        bs, limit = self.block_size, self.runner.max_model_len
+        """Whether a step for this batch one token on may be queued: every sequence is greedy, still
+        within the model's length and holds a block for its next position, and some sequence goes on
+        past this step (a row of one that ends here is computed and left unused). A sequence about to
+        start a block is given it now (runner.reserve_block): sequences that started at different times
+        cross block boundaries at different steps, and without it 16 of them in 32-token blocks left
+        half the steps unqueued (tools/probe_launch_ahead.py)."""
+        bs, limit, reserve = self.block_size, self.runner.max_model_len, self.runner.reserve_block
         for seq, _ in batch:
             nxt = seq.num_computed_tokens + 1
-            if (not seq.params.greedy or nxt != len(seq) or nxt >= limit or nxt // bs >= len(seq.block_table)
-                    or seq.params.max_new_tokens - seq.num_output_tokens < 2):
+            if not seq.params.greedy or nxt != len(seq) or nxt >= limit:
                 return False
-        return True
+            if nxt // bs >= len(seq.block_table) and (reserve is None or not reserve(seq)):
+                return False
+        return any(seq.params.max_new_tokens - seq.num_output_tokens >= 2 for seq, _ in batch)
 
     def drop_ahead(self) -> None:
         """Forget a queued step (another path runs this step)."""
         self.ahead = None
 
-    def _is_ahead(self, batch) -> bool:
+    def _is_ahead(self, batch) -> list[int] | None:
+        """The queued step's rows for batch's sequences when each is the queued step's sequence one token
+        on, in the same order (rows of sequences that left the batch since, finished or preempted, are
+        passed over); None when the queued step does not serve this batch."""
         ahead, self.ahead = self.ahead, None
-        return ahead is not None and len(ahead) == len(batch) and all(
-            seq.seq_id == sid and seq.num_computed_tokens == pos and seq.token_ids[pos] == tok
-            for (seq, _), (sid, pos, tok) in zip(batch, ahead))
+        if ahead is None:
+            return None
+        rows, i = [], 0
+        for seq, _ in batch:
+            while i < len(ahead) and ahead[i][0] != seq.seq_id:
+                i += 1
+            if i == len(ahead):
+                return None
+            _, pos, tok = ahead[i]
+            if seq.num_computed_tokens != pos or seq.token_ids[pos] != tok:
+                return None
+            rows.append(i)
+            i += 1
+        return rows
+
+    def _select(self, rows: list[int]) -> torch.Tensor:
+        """rows as an index tensor on the device, copied from pinned memory without a sync."""
+        host = self.rows_host[self.num_selects % 2]
+        self.num_selects += 1
+        host[:len(rows)] = torch.tensor(rows, dtype=torch.long)
+        return self.rows_dev[:len(rows)].copy_(host[:len(rows)], non_blocking=True)
 
     @torch.inference_mode()
     def run(self, batch, greedy_only: bool = False) -> tuple[torch.Tensor | None, list[int] | None]:
@@ -180,15 +213,20 @@ class DecodeGraphs:
         n = len(batch)
         self.num_steps += 1
         B = next(b for b in self.batch_buckets if b >= n)
-        if self._is_ahead(batch):
-            self.num_ahead_taken += 1
-            _, logits, tokens = self.graphs[B] if self.capture else (None, *self._queued)
-        else:
+        rows = self._is_ahead(batch)
+        if rows is None:
             logits, tokens = self._launch(batch, B)
+        else:
+            self.num_ahead_taken += 1
+            logits, tokens = self._queued
+            if rows != list(range(n)):  # sequences left the batch: pick the rows of those that stay
+                index = self._select(rows)
+                tokens = tokens.index_select(0, index)
+                logits = None if greedy_only else logits.index_select(0, index)
         if not greedy_only:
             return logits[:n], None
         if not (self.launch_ahead and self._continues(batch)):
-            return logits[:n], tokens[:n].tolist()
+            return None if logits is None else logits[:n], tokens[:n].tolist()
         self.tokens_host[:n].copy_(tokens[:n], non_blocking=True)
         if self.tokens_ready is not None:
             self.tokens_ready.record()

@@ -196,6 +196,8 @@ class LLMEngine:
 
             self.blocks = RouterBlocks(num_blocks, config.kv_block_size, identity, prefix_reuse,
                                        per_host(config.kv_router, args.head_dim, dtype.itemsize))
+        if not (onnx or native):  # the torch runner's steps launched ahead take their next block early
+            self.runner.reserve_block = self.blocks.reserve_next
         self.offloader = self._cold_tier(config, identity, block_bytes) if prefix_reuse else None
         self.policy = config.policy  # replaced whole by set_policy (a reload)
         if config.kv_router != "off":

@@ -37,6 +37,8 @@ class ModelRunner:
         self.scratch_slot = num_blocks * block_size
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        # the block books' BlockManager.reserve_next (the engine sets it): a block for a step launched ahead
+        self.reserve_block: Callable[[Sequence], bool] | None = None
         # steps that do not fit the graphs attend through the block tables on CUDA (a Triton kernel);
         # the CPU keeps its gather + SDPA path, exact against transformers
         self.paged_prefill = device.type == "cuda"

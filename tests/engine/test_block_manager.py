@@ -89,6 +89,28 @@ def test_decode_appends_blocks_and_names_them_when_full():
     assert follow.num_cached_tokens == 8
 
 
+def test_a_step_launched_ahead_gets_the_next_block_early_and_it_goes_back_with_the_sequence():
+    bm = BlockManager(3, 4, "m")
+    s = computed(bm, seq(range(2)))  # one block; positions 0-1 computed
+    s.token_ids.append(2)  # this step computes position 2, a step queued behind it position 3
+    assert bm.reserve_next(s) and len(s.block_table) == 1  # both in the first block
+    bm.mark_computed(s, 1)
+    s.token_ids.append(3)  # this step computes position 3; the queued one writes position 4
+    assert bm.reserve_next(s) and len(s.block_table) == 2 and bm.num_free_blocks == 1
+    bm.mark_computed(s, 1)
+    s.token_ids.append(4)
+    bm.append_slot(s)  # the scheduler finds position 4's block held
+    assert len(s.block_table) == 2 and bm.num_free_blocks == 1
+    other = computed(bm, seq(range(10, 13)))
+    assert bm.num_free_blocks == 0
+    s.token_ids += [5, 6, 7]
+    bm.mark_computed(s, 3)  # positions 4-6; this step computes 7, a queued one would write 8
+    assert not bm.reserve_next(s)  # position 8 starts a third block and none is free: no preemption
+    bm.free_seq(s)
+    bm.free_seq(other)
+    assert bm.num_free_blocks == 3
+
+
 def test_prefix_caching_off_never_hits():
     bm = BlockManager(8, 4, "m", prefix_caching=False)
     computed(bm, seq(range(10)))
