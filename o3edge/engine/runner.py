@@ -74,7 +74,7 @@ class ModelRunner:
         from o3edge.engine.router import KVRouter
 
         full = self.block_bytes(self.args, self.block_size, self.dtype) // self.block_size
-        self.router = KVRouter(cfg, self.kv_cache, self.num_blocks, self.block_size, full)
+        self.router = KVRouter(cfg, self.kv_cache, self.num_blocks, self.block_size, full, self.max_model_len)
         self.graphs = self.prefill_graphs = self.cpu_decode = None
         self.paged_prefill = False  # the router attends over the gathered keys and its compressed pool
         if graph_batch:

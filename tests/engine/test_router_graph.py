@@ -63,20 +63,20 @@ def test_graph_refresh_step_observes_what_the_eager_step_observes(tiny_dir, mode
     batch, compared, with_compressed = [(s, len(s)) for s in seqs], 0, False
     for _ in range(12):
         if not router.needs_eager(batch) and router.observing_now():
-            books = [router.seqs[s.seq_id] for s in seqs]
-            ctx = [s.num_computed_tokens + 1 for s in seqs]
-            for st, n in zip(books, ctx):
-                st.grow(n)  # the new token's place, so that the snapshots line up
-            before = [(st.mass[:n].clone(), st.count[:n].clone()) for st, n in zip(books, ctx)]
+            books = router.books
+            rows = [books.rows[s.seq_id] for s in seqs]
+            ctx = [s.num_computed_tokens + 1 for s in seqs]  # the new token's place too
+            before = [(books.mass[r, :n].clone(), books.count[r, :n].clone()) for r, n in zip(rows, ctx)]
             logits, _ = graphs.run(batch)
             graph_logits = logits.clone()
-            mid = [(st.mass[:n].clone(), st.count[:n].clone()) for st, n in zip(books, ctx)]
+            mid = [(books.mass[r, :n].clone(), books.count[r, :n].clone()) for r, n in zip(rows, ctx)]
             tokens = runner.run(batch)  # the eager refresh step observes (and routes) again
             torch.testing.assert_close(graph_logits, runner.last_logits, atol=1e-4, rtol=1e-4)
-            for st, n, (m0, c0), (m1, c1) in zip(books, ctx, before, mid):
-                torch.testing.assert_close(m1 - m0, st.mass[:n] - m1, atol=1e-6, rtol=1e-4)
-                assert torch.equal(c1 - c0, st.count[:n] - c1) and float((c1 - c0).min()) == 1.0
+            for r, n, (m0, c0), (m1, c1) in zip(rows, ctx, before, mid):
+                torch.testing.assert_close(m1 - m0, books.mass[r, :n] - m1, atol=1e-6, rtol=1e-4)
+                assert torch.equal(c1 - c0, books.count[r, :n] - c1) and float((c1 - c0).min()) == 1.0
                 assert float((m1 - m0).sum()) > 0
+                assert float(books.count[r, n:].abs().sum()) == 0  # nobody observed past the new token
             with_compressed |= any(eng.blocks.is_compressed(b) for s in seqs for b in s.block_table)
             compared += 1
         else:
