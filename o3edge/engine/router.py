@@ -123,10 +123,23 @@ class SaliencyBooks:
 
     def __init__(self, max_len: int, device, rows: int = 8):
         self.max_len, self.device = max_len, device
-        self.mass = torch.zeros(rows, max_len, dtype=torch.float64, device=device)
-        self.count = torch.zeros_like(self.mass)
+        self._tables(rows, None)
         self.rows: dict[int, int] = {}  # seq_id -> row
         self.free = list(range(rows - 1, -1, -1))
+
+    def _tables(self, rows: int, old: "SaliencyBooks | None") -> None:
+        # mass is a view of `flat`, whose one extra element takes the additions of scatters' unused lanes
+        self.flat = torch.zeros(rows * self.max_len + 1, dtype=torch.float64, device=self.device)
+        self.mass = self.flat[:-1].view(rows, self.max_len)
+        self.count = torch.zeros_like(self.mass)
+        if old is not None:
+            self.mass[:old.mass.shape[0]] = old.mass
+            self.count[:old.count.shape[0]] = old.count
+
+    @property
+    def dump(self) -> int:
+        """The index in `flat` of the element that takes what a scatter does not keep."""
+        return self.flat.numel() - 1
 
     def row(self, seq_id: int) -> int:
         """seq_id's row, taken (zeroed) when it has none."""
@@ -134,8 +147,9 @@ class SaliencyBooks:
         if r is None:
             if not self.free:
                 n = self.mass.shape[0]
-                self.mass = torch.cat((self.mass, torch.zeros_like(self.mass)))
-                self.count = torch.cat((self.count, torch.zeros_like(self.count)))
+                old = SaliencyBooks.__new__(SaliencyBooks)
+                old.mass, old.count = self.mass, self.count
+                self._tables(2 * n, old)
                 self.free = list(range(2 * n - 1, n - 1, -1))
             r = self.rows[seq_id] = self.free.pop()
         return r
@@ -366,23 +380,25 @@ class KVRouter:
         mass [len(rows), KVH, 2, P] the step's probabilities by KV head (kernels/quant_attention.py
         router_decode_attention: full-precision keys in compacted order, then compressed ones), summed
         over the layers. The same books as `_observe` keeps for the eager step, in one scatter."""
-        bs, L, P, dev = self.block_size, self.books.max_len, mass.shape[-1], self.device
-        offsets = np.arange(bs)
-        dest, src, book_rows, ends = [], [], [], []
-        for b, (seq, full, comp) in enumerate(rows):  # each key's position: its block's place in the table, its offset
-            row, pos = self.books.row(seq.seq_id), seq.num_computed_tokens
-            n_full = pos - len(comp) * bs + 1  # full keys: the new token's too
-            full_pos = (np.asarray(full, dtype=np.int64)[:, None] * bs + offsets).ravel()[:n_full]
-            comp_pos = (np.asarray(comp, dtype=np.int64)[:, None] * bs + offsets).ravel()
-            dest += [row * L + full_pos, row * L + comp_pos]
-            src += [2 * b * P + np.arange(n_full), (2 * b + 1) * P + np.arange(comp_pos.size)]
-            book_rows.append(row)
-            ends.append(pos + 1)  # one observer, who sees every position up to its own
-        index = torch.from_numpy(np.stack((np.concatenate(dest), np.concatenate(src)))).to(dev)  # one copy
-        total = mass.sum(1).reshape(-1)  # [len(rows) * 2 * P]: by row, pool, key
-        self.books.mass.view(-1).index_add_(0, index[0], total.index_select(0, index[1]).double())
-        seen = torch.arange(L, device=dev)[None, :] < torch.tensor(ends, device=dev)[:, None]
-        self.books.count.index_add_(0, torch.tensor(book_rows, device=dev), seen.double())
+        bs, L, P, dev, n = self.block_size, self.books.max_len, mass.shape[-1], self.device, len(rows)
+        W = P // bs  # blocks a row of the step may have
+        # one small host array: each row's table indices of its full and compressed blocks, its number of
+        # keys in each pool, its book row and the observer's position; the keys' places are made on the device
+        meta = np.zeros((n, 2 * W + 4), dtype=np.int64)
+        for b, (seq, full, comp) in enumerate(rows):
+            pos = seq.num_computed_tokens
+            meta[b, :len(full)], meta[b, W:W + len(comp)] = full, comp
+            meta[b, 2 * W:] = (pos + 1 - len(comp) * bs, len(comp) * bs, self.books.row(seq.seq_id), pos + 1)
+        meta = torch.from_numpy(meta).to(dev)  # one copy
+        tables, num_keys = meta[:, :2 * W].reshape(n, 2, W), meta[:, 2 * W:2 * W + 2]
+        book_rows, ends = meta[:, -2], meta[:, -1]
+        keys = (tables[..., None] * bs + torch.arange(bs, device=dev)).view(n, 2, P)  # each key's position
+        valid = torch.arange(P, device=dev) < num_keys[..., None]  # full keys: the new token's too
+        dest = torch.where(valid, book_rows[:, None, None] * L + keys, self.books.dump)
+        # mass [n, KVH, 2, P] summed over the KV heads lines up with dest [n, 2, P]: one scatter, no sync
+        self.books.flat.index_add_(0, dest.view(-1), mass.sum(1).reshape(-1).double())
+        seen = torch.arange(L, device=dev)[None, :] < ends[:, None]  # one observer sees up to its own position
+        self.books.count.index_add_(0, book_rows, seen.double())
 
     def _gather(self, layer: int, slots: torch.Tensor):
         """Compressed keys and values at slots, dequantized (int4: still in the rotated basis)."""
