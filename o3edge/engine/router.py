@@ -123,18 +123,15 @@ class SaliencyBooks:
 
     def __init__(self, max_len: int, device, rows: int = 8):
         self.max_len, self.device = max_len, device
-        self._tables(rows, None)
+        self._tables(rows)
         self.rows: dict[int, int] = {}  # seq_id -> row
         self.free = list(range(rows - 1, -1, -1))
 
-    def _tables(self, rows: int, old: "SaliencyBooks | None") -> None:
+    def _tables(self, rows: int) -> None:
         # mass is a view of `flat`, whose one extra element takes the additions of scatters' unused lanes
         self.flat = torch.zeros(rows * self.max_len + 1, dtype=torch.float64, device=self.device)
         self.mass = self.flat[:-1].view(rows, self.max_len)
         self.count = torch.zeros_like(self.mass)
-        if old is not None:
-            self.mass[:old.mass.shape[0]] = old.mass
-            self.count[:old.count.shape[0]] = old.count
 
     @property
     def dump(self) -> int:
@@ -146,10 +143,9 @@ class SaliencyBooks:
         r = self.rows.get(seq_id)
         if r is None:
             if not self.free:
-                n = self.mass.shape[0]
-                old = SaliencyBooks.__new__(SaliencyBooks)
-                old.mass, old.count = self.mass, self.count
-                self._tables(2 * n, old)
+                n, mass, count = self.mass.shape[0], self.mass, self.count
+                self._tables(2 * n)
+                self.mass[:n], self.count[:n] = mass, count
                 self.free = list(range(2 * n - 1, n - 1, -1))
             r = self.rows[seq_id] = self.free.pop()
         return r
