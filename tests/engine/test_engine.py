@@ -284,23 +284,23 @@ def test_paged_prefill_kernel_path_matches_eager(tiny_dir, splits, monkeypatch):
 def test_launch_ahead_decode_matches_eager(tiny_dir):
     """Queuing step n+1 before step n's tokens reach the host (what the GPU does to hide host work)
     changes nothing: sequences that end at different lengths, cross block boundaries at different
-    steps, and join late get the eager path's tokens; every step is taken from the queue but the first
-    and the one a late request joins (a sequence about to start a block is given it a step early, and
-    a queued step serves those left when others finish), and no block is kept after."""
+    steps, join late or are aborted get the eager path's tokens; every step is taken from the queue but
+    the first and the one a late request joins (a sequence about to start a block is given it a step
+    early, and a queued step serves those left when others end), and no block is kept after."""
     from o3edge.engine.cuda_graph import DecodeGraphs
 
     eager = load_for_kernels(tiny_dir, kv_block_size=8)
     ahead = load_for_kernels(tiny_dir, kv_block_size=8, max_model_len=300)
     runner = ahead.engine.runner
-    runner.graphs = DecodeGraphs(runner, 4, capture=False, launch_ahead=True)
-    prompts = [eager.engine.encode(p) for p in ("a = 1", "def f(x):\n    return", "import os")]
-    lengths = (20, 9, 14)  # rows leave the batch at different steps: the queued step is dropped then
+    runner.graphs = DecodeGraphs(runner, 8, capture=False, launch_ahead=True)
+    prompts = [eager.engine.encode(p) for p in ("a = 1", "def f(x):\n    return", "import os", "x = [")]
+    lengths = (20, 9, 14, 30)  # rows leave the batch at different steps: the queued step serves the rest
 
     def run(model):
         e = model.engine
         for i, (ids, n) in enumerate(zip(prompts, lengths)):
             e.add_request(f"r{i}", ids, SamplingParams(max_new_tokens=n, ignore_eos=True))
-        out = {f"r{i}": [] for i in range(3)}
+        out = {f"r{i}": [] for i in range(4)}
         steps = 0
         while e.has_unfinished_requests():
             for o in e.step()[0]:
@@ -309,6 +309,8 @@ def test_launch_ahead_decode_matches_eager(tiny_dir):
             if steps == 5:  # a late arrival changes the batch
                 e.add_request("late", prompts[0], SamplingParams(max_new_tokens=6, ignore_eos=True))
                 out["late"] = []
+            if steps == 11:  # a client goes away: its sequence leaves the batch between two steps
+                assert e.abort("r3")
         return out
 
     assert run(ahead) == run(eager)
