@@ -3,6 +3,7 @@
 at one batch and context, over tilings and key splits (which is faster, and how near the bandwidth).
 
     python tools/bench_attention.py [--shape llama-1b] [--batch 16] [--context 4096] [--grid] [--json out.json]
+                                    [--observe --splits 1]   # a refresh step's observing attention
 
 Cases: `off` (kernels/decode_attention.py over bf16 K/V), `int8` and `int4` (kernels/quant_attention.py
 with every sealed block compressed, as uniform INT8/INT4 KV), `int8-half` (half the blocks compressed,
@@ -90,20 +91,23 @@ def run_case(case: str, a, H: int, KVH: int, hd: int, configs) -> list[dict]:
     qkv, cos, sin, meta, kc, vc, codes, scales, rot, read = setup(case, a.batch, a.context, H, KVH, hd,
                                                                    a.block_size, dtype, "cuda")
     rows = []
+    mass = None
+    if a.observe and case != "off":  # an observing refresh step's saliency rows (router_graph.py)
+        mass = torch.zeros(a.batch, KVH, 2, (meta.shape[1] - 5) // 2 * a.block_size, device="cuda")
     for splits, config in configs:
         if case == "off":
             fn = lambda: decode_attention(qkv, cos, sin, meta, kc, vc, H, a.block_size, splits, config=config)  # noqa: E731
         else:
             mode = case.split("-")[0]
             fn = lambda: router_decode_attention(qkv, cos, sin, meta, kc, vc, codes, scales, rot, mode, H,  # noqa: E731
-                                                 a.block_size, splits, config=config)
+                                                 a.block_size, splits, config=config, mass=mass)
         try:
             us = time_call(fn)
         except Exception as exc:  # a tiling the compiler refuses (shared memory): recorded, not fatal
             rows.append(dict(case=case, splits=splits, config=config, error=str(exc).splitlines()[0][:160]))
             continue
         rows.append(dict(case=case, splits=splits, config=config, us=round(us, 2), bytes=read,
-                         gb_s=round(read / us / 1e3, 1)))
+                         gb_s=round(read / us / 1e3, 1), observe=mass is not None))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -147,6 +151,9 @@ def main() -> None:
     ap.add_argument("--configs", default=None,
                     help="router cases: also these tilings at the planned splits, a JSON list of "
                          "[BLOCK_N, compressed keys a tile, warps, stages]")
+    ap.add_argument("--observe", action="store_true",
+                    help="router cases observe saliency as a refresh step does: in one key split (--splits 1) "
+                         "a second pass over the keys; in several, scores stored and observed after them")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG of µs a layer against key splits, one line per tiling")
     ap.add_argument("--from-json", default=None, help="plot an earlier --json instead of measuring")

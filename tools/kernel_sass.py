@@ -96,8 +96,9 @@ def router(a) -> list:
 
     H, KVH, hd = SHAPES[a.shape]
     args = setup(a.mode, a.batch, a.context, H, KVH, hd, a.block_size, getattr(torch, a.dtype), "cpu")[:9]
+    mass = torch.zeros(a.batch, KVH, 2, (args[3].shape[1] - 5) // 2 * a.block_size) if a.observe else None
     try:
-        qa.router_decode_attention(*args, a.mode.split("-")[0], H, a.block_size, a.splits)
+        qa.router_decode_attention(*args, a.mode.split("-")[0], H, a.block_size, a.splits, mass=mass)
     except Exception:
         pass
     return compiled(qa._router_decode_kernel)
@@ -118,6 +119,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--splits", type=int, default=3)
+    ap.add_argument("--observe", action="store_true", help="router: the observing variant (a refresh step's)")
     a = ap.parse_args()
     for kv in a.env:
         name, _, value = kv.partition("=")

@@ -11,8 +11,11 @@ sequence; none with threshold 0) replay a second graph per bucket: the same step
 whose attention kernels also add each key's probability (averaged over the heads) into a static mass
 buffer, layer after layer; after the replay the router adds those rows to each sequence's books
 (KVRouter.observed_in_graph). (Keeping the bucket's key splits and observing in a second kernel after
-them was measured on the H200 and was no faster: 5,499 against 5,593 tok/s for INT8 at 4K x 16,
-docs/results/gpu-2026-12-01c/; it was removed.) Prompt steps run eager.
+them, which read the keys again, was measured on the H200 and was no faster: 5,499 against 5,593 tok/s
+for INT8 at 4K x 16, docs/results/gpu-2026-12-01c/; it was removed.) With O3EDGE_ROUTER_OBSERVE_SPLITS=1
+(off until measured) the observing graph keeps the bucket's splits, which store their keys' scores, and a
+small kernel turns them into probabilities once every split's log-sum-exp is known: no second pass
+over the keys. Prompt steps run eager.
 
 Steps are launched ahead as on the plain graph path (cuda_graph.py: the host's work for step n hides
 under the GPU's for step n+1), except around refresh steps: routing after a refresh step changes block
@@ -28,6 +31,7 @@ import torch
 
 from o3edge.engine.cuda_graph import DecodeGraphs, capture_graphs
 from o3edge.engine.decode_step import decode_forward
+from o3edge.engine.kernels.quant_attention import observe_splits
 
 
 class RouterDecodeGraphs(DecodeGraphs):
@@ -79,7 +83,9 @@ class RouterDecodeGraphs(DecodeGraphs):
             mass = self.mass[:B]
             mass.zero_()
             attention = functools.partial(self._attention, mass=mass)
-            splits = 1  # each program knows its rows' final log-sum-exp and observes in place
+            # one split: each program knows its rows' final log-sum-exp and observes in place; with
+            # O3EDGE_ROUTER_OBSERVE_SPLITS=1 the bucket's splits store scores, observed after them
+            splits = splits if observe_splits() else 1
         return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, splits,
                               self.fused, attention=attention)
 

@@ -391,9 +391,11 @@ def test_router_decode_kernel_on_the_gpu(mode, splits, dtype, fast, monkeypatch)
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, splits=1, device="cpu"):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, splits, device="cpu"):
     """Saliency observed inside the step (for the CUDA graph): every key's attention probability,
-    averaged over the heads, at its place in the mass rows, and over two layers they add up."""
+    averaged over the heads, at its place in the mass rows, and over two layers they add up; in one key
+    split (a second pass over the keys) and in three (scores stored, observed after the splits)."""
     from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
 
     torch.manual_seed(9)
@@ -428,25 +430,26 @@ def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, d
         assert float(got[b, 0, n_full + 1:].abs().sum()) == 0 and float(got[b, 1, len(comp) * bs:].abs().sum()) == 0
 
 
-def test_observing_in_key_splits_is_refused():
-    """A refresh step observes in one key split (its programs must see every key to know the final
-    log-sum-exp): asked with several, the kernel's wrapper says so instead of observing wrongly."""
+def test_observing_into_a_wrong_mass_is_refused():
+    """The observation's rows must be [B, KVH, 2, P] and contiguous: anything else is refused, not
+    written wrongly."""
     from o3edge.engine.kernels.quant_attention import router_decode_attention
 
     H, KVH, hd, bs, mb = 4, 2, 64, 8, 4
     codes, scales = quantize(torch.zeros(2, 4 * bs, KVH, hd), "int8")
     cache = torch.zeros(8 * bs, KVH, hd)
     meta = router_meta([(1, 9, [0, 1], [])], mb, 8 * bs, bs)
-    with pytest.raises(ValueError, match="one key split"):
+    with pytest.raises(ValueError, match="contiguous"):
         router_decode_attention(torch.zeros(1, (H + 2 * KVH) * hd), torch.ones(64, hd), torch.zeros(64, hd), meta,
                                 cache, cache.clone(), codes, scales, None, "int8", H, bs, 3,
-                                mass=torch.zeros(1, KVH, 2, mb * bs))
+                                mass=torch.zeros(1, 2, KVH, mb * bs).transpose(1, 2))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_router_decode_kernel_observes_on_the_gpu(mode, dtype):
-    test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, device="cuda")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_router_decode_kernel_observes_on_the_gpu(mode, dtype, splits):
+    test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, splits, device="cuda")
 
 

@@ -46,11 +46,13 @@ def test_graph_step_equals_the_eager_router_step(tiny_dir, mode="int4"):  # int4
     assert all(any(eng.blocks.is_compressed(b) for b in s.block_table) for s in seqs)  # both pools were read
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_graph_refresh_step_observes_what_the_eager_step_observes(tiny_dir, mode):
+@pytest.mark.parametrize("mode, observe_splits", [("int8", "0"), ("int4", "0"), ("int8", "1")])
+def test_graph_refresh_step_observes_what_the_eager_step_observes(tiny_dir, mode, observe_splits, monkeypatch):
     """A refresh step on the graph path (its observing variant) adds the same attention mass and
     observer counts to every sequence's books as the eager step does, and gives the same logits, though
-    the bucket's ordinary steps run in 3 key splits."""
+    the bucket's ordinary steps run in 3 key splits: observing in one split, or (O3EDGE_ROUTER_OBSERVE_SPLITS=1)
+    in the bucket's 3, its scores stored and observed after them."""
+    monkeypatch.setenv("O3EDGE_ROUTER_OBSERVE_SPLITS", observe_splits)
     routed = {**ROUTED, "router_threshold": 0.5, "router_refresh_steps": 2}
     m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router=mode, **routed))
     eng, runner = m.engine, m.engine.runner

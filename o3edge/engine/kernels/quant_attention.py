@@ -107,12 +107,16 @@ def _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, s
 def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh, d, stride_slot,
                     stride_head, s_slot, s_head, sm_scale, HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr,
                     CBLOCK_N: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr,
-                    SCALE_AFTER: tl.constexpr = False):
+                    SCALE_AFTER: tl.constexpr = False, SCORES: tl.constexpr = False, score_row=None, g=None,
+                    g_mask=None, score_stride=0):
     """The online softmax over compressed blocks table[j .. j+NB) (_cblock_scores); off IEEE the
     probabilities meet the dequantized values on the tensor cores in the cache's dtype. SCALE_AFTER: the
-    probabilities are scaled by each key's value scale and meet the value codes themselves."""
+    probabilities are scaled by each key's value scale and meet the value codes themselves. SCORES: the
+    scaled scores are also stored at score_row (_store_scores), at the compressed keys' places."""
     n_mask, slot, s = _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot,
                                      s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, SCALE_AFTER)
+    if SCORES:
+        _store_scores(score_row, j * KV_BLOCK + tl.arange(0, CBLOCK_N), n_mask, s, g, g_mask, score_stride)
     if SCALE_AFTER:
         v = _load_codes(v_codes, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS, True)
         v_scale = _load_scales(v_scales, slot, n_mask, kvh, s_slot, s_head)
@@ -283,14 +287,88 @@ def _rotated(x, rot_ptr, d, n_comp, HD: tl.constexpr, BITS: tl.constexpr, FWHT: 
 
 
 @triton.jit
+def _store_scores(row, idx, mask, s, g, g_mask, stride):
+    """Scores s [G_PAD, N] of the GQA group's heads at row + head * stride + idx (keys off mask left alone)."""
+    tl.store(row + g[:, None] * stride + idx[None, :], s, mask=g_mask[:, None] & mask[None, :])
+
+
+@triton.jit
+def _attend_range_scored(q, m, l_sum, acc, start, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale,
+                         d, score_row, g, g_mask, score_stride, HD: tl.constexpr, KV_BLOCK: tl.constexpr,
+                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype, INTERPRET: tl.constexpr):
+    """attend_range (kernels/decode_attention.py) that also stores each key's scaled score (_store_scores)."""
+    if INTERPRET:
+        n0 = start
+        while n0 < end:
+            m, l_sum, acc = _attend_block_scored(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr,
+                                                 stride_slot, kvh, sm_scale, d, score_row, g, g_mask, score_stride,
+                                                 HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m, l_sum, acc = _attend_block_scored(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr,
+                                                 stride_slot, kvh, sm_scale, d, score_row, g, g_mask, score_stride,
+                                                 HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+    return m, l_sum, acc
+
+
+@triton.jit
+def _attend_block_scored(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
+                         score_row, g, g_mask, score_stride, HD: tl.constexpr, KV_BLOCK: tl.constexpr,
+                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
+    offs, n_mask, s, v = paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
+                                      KV_BLOCK, BLOCK_N, IEEE)
+    s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
+    _store_scores(score_row, offs, n_mask, s, g, g_mask, score_stride)
+    return softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
+
+
+@triton.jit
+def _observe_scores_kernel(scores_ptr, part_lse_ptr, meta_ptr, stride_meta, mass_ptr, MASS_P, H: tl.constexpr,
+                           KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, KV_BLOCK: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+    """An observing step's probabilities from the scores its key splits stored: one (row, KV head, tile
+    of BLOCK key places). Each head's final log-sum-exp comes from its splits' (part_lse); exp(score -
+    lse) over the GQA group's heads, / H, is added to mass[row, kvh] as _observe adds it."""
+    pdl.launch_next(PDL)
+    pdl.wait_for_previous(PDL)
+    b, kvh, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = tl.arange(0, G_PAD)
+    g_mask = g < G
+    heads = (b * H + kvh * G + g).to(tl.int64)
+    sp = tl.arange(0, SPLITS_PAD)
+    parts = tl.load(part_lse_ptr + heads[:, None] * NUM_SPLITS + sp[None, :],
+                    mask=g_mask[:, None] & (sp < NUM_SPLITS)[None, :], other=float("-inf"))  # [G_PAD, S]
+    top = tl.max(parts, axis=1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp(parts - top[:, None]), axis=1)  # > 0 for every real head: it has seen its own token
+    lse = top + tl.log(tl.where(total > 0, total, 1.0))
+    idx = t * BLOCK + tl.arange(0, BLOCK)  # a place in [full keys and the new token | compressed keys]
+    n_full = tl.load(meta_ptr + b * stride_meta + 3)
+    n_comp = tl.load(meta_ptr + b * stride_meta + 4)
+    pool_full = idx < MASS_P
+    key = tl.where(pool_full, idx, idx - MASS_P)
+    valid = tl.where(pool_full, key < n_full + 1, key < n_comp * KV_BLOCK) & (idx < 2 * MASS_P)
+    both = g_mask[:, None] & valid[None, :]
+    s = tl.load(scores_ptr + heads[:, None] * 2 * MASS_P + idx[None, :], mask=both, other=float("-inf"))
+    p = tl.where(both, tl.exp(s - lse[:, None]), 0.0)
+    row = mass_ptr + (b * KVH + kvh).to(tl.int64) * 2 * MASS_P
+    old = tl.load(row + idx, mask=valid, other=0.0)
+    tl.store(row + idx, old + tl.sum(p, axis=0) / H, mask=valid)
+
+
+@triton.jit
 def _router_decode_kernel(
         qkv_ptr, stride_qkv, cos_ptr, sin_ptr, meta_ptr, stride_meta, MAX_BLOCKS,
         k_cache_ptr, v_cache_ptr, stride_slot, k_codes, v_codes, k_scales, v_scales, c_slot, c_head, s_slot, s_head,
         rot_ptr, qn_ptr, kn_ptr, eps, out_ptr, stride_out, part_o_ptr, part_lse_ptr, sm_scale, mass_ptr, MASS_P,
+        scores_ptr,
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
-        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr = False):
+        OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr = False,
+        SCORES: tl.constexpr = False):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
@@ -305,10 +383,21 @@ def _router_decode_kernel(
     # the full-precision keys: this split's chunk of the compacted table
     start, end = split_range(n_full, split, NUM_SPLITS, BLOCK_N)
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
-    m, l_sum, acc = attend_range(q, m, l_sum, acc, start, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh,
-                                 sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype, INTERPRET)
+    # SCORES (an observing step in key splits): each key's scaled score by head, for _observe_scores_kernel
+    score_row = scores_ptr + (b * H + kvh * G).to(tl.int64) * 2 * MASS_P
+    if SCORES:
+        m, l_sum, acc = _attend_range_scored(q, m, l_sum, acc, start, end, meta + 5, k_cache_ptr, v_cache_ptr,
+                                             stride_slot, kvh, sm_scale, d, score_row, g, g_mask, 2 * MASS_P, HD,
+                                             KV_BLOCK, BLOCK_N, IEEE, dtype, INTERPRET)
+    else:
+        m, l_sum, acc = attend_range(q, m, l_sum, acc, start, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot,
+                                     kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype, INTERPRET)
     if split == 0:  # the new token attends to itself
         m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
+        if SCORES:  # its score as attend_self makes it, after the full keys
+            s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale
+            one = tl.arange(0, 1)
+            _store_scores(score_row, n_full + one, one < 1, s_self[:, None], g, g_mask, 2 * MASS_P)
 
     # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
     qf = _rotated(q.to(tl.float32), rot_ptr, d, n_comp, HD, BITS, FAST)
@@ -317,18 +406,21 @@ def _router_decode_kernel(
     j_end = tl.minimum(j_start + per, n_comp)
     m_c, l_c, acc_c = softmax_init(G_PAD, HD_PAD)
     ctable = meta + 5 + MAX_BLOCKS
+    c_row = score_row + MASS_P  # with SCORES: the compressed keys' scores after the full ones
     if INTERPRET:
         j = j_start
         while j < j_end:  # NB blocks a tile
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FAST)
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FAST, SCORES, c_row, g,
+                                              g_mask, 2 * MASS_P)
             j += NB
     else:
         for j in range(j_start, j_end, NB):
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FAST)
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FAST, SCORES, c_row, g,
+                                              g_mask, 2 * MASS_P)
     acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS, FAST)  # back from the rotated basis
 
     # merge the two pools: one (output, log-sum-exp) per row
@@ -376,7 +468,10 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     probability, averaged over the heads, is added to mass[b, :, 0, i] for the i-th full-precision key
     in compacted order (the new token at i = full keys before it) and to mass[b, :, 1, i] for the i-th
     compressed key (summed over the KV-head axis, that is the eager router's observation: router.py
-    `_observe`); observing needs one key split (each program then knows its rows' final log-sum-exp).
+    `_observe`). In one key split each program knows its rows' final log-sum-exp and observes in a second
+    pass over its keys; in several, each split stores its keys' scores by head into a scratch [B, H, 2, P]
+    and a second kernel (_observe_scores_kernel) turns them into probabilities once every split's
+    log-sum-exp is known (router_graph.py uses it with O3EDGE_ROUTER_OBSERVE_SPLITS=1).
     Returns the attention output [B, H * hd]. Static shapes: it can be
     captured in a CUDA graph. config (BLOCK_N, compressed keys a tile, num_warps, num_stages) overrides the
     tiling (tools/bench_attention.py)."""
@@ -389,9 +484,10 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     out, part_o, part_lse = split_outputs(qkv, num_heads, HD, num_splits, k_cache.dtype)
     norm = q_norm is not None
     observe = mass is not None
-    if observe and (num_splits != 1 or mass.shape[:3] != (B, KVH, 2) or not mass.is_contiguous()):
-        raise ValueError(f"observing takes one key split and a contiguous [B, KVH, 2, P] mass, got {num_splits} "
-                         f"splits and {tuple(mass.shape)}")
+    if observe and (mass.shape[:3] != (B, KVH, 2) or not mass.is_contiguous()):
+        raise ValueError(f"observing takes a contiguous [B, KVH, 2, P] mass, got {tuple(mass.shape)}")
+    scored = observe and num_splits > 1  # the splits store scores; _observe_scores_kernel observes after
+    scores = torch.empty(B, num_heads, 2, mass.shape[-1], dtype=torch.float32, device=qkv.device) if scored else cos
     rot = rotation if rotation is not None else cos
     on = pdl.enabled(str(qkv.device))
     fast = fast_codes()
@@ -406,14 +502,30 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), max_blocks, k_cache, v_cache, k_cache.stride(0),
         codes[0], codes[1], scales[0], scales[1], codes.stride(1), codes.stride(2), scales.stride(1),
         scales.stride(2), rot, q_norm if norm else cos, k_norm if norm else cos, eps, out, out.stride(0),
-        part_o, part_lse, HD ** -0.5, mass if observe else cos, mass.shape[-1] if observe else 0,
+        part_o, part_lse, HD ** -0.5, mass if observe else cos, mass.shape[-1] if observe else 0, scores,
         H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=block_n, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
-        OBSERVE=observe, INTERPRET=INTERPRET, PDL=on, FAST=fast, num_warps=warps,
+        OBSERVE=observe and not scored, INTERPRET=INTERPRET, PDL=on, FAST=fast, SCORES=scored, num_warps=warps,
         num_stages=stages, **pdl.launch_options(on))
-    return merge_splits(out, part_o, part_lse, num_splits, on)
+    out = merge_splits(out, part_o, part_lse, num_splits, on)
+    if scored:
+        P, block = mass.shape[-1], 512
+        _observe_scores_kernel[(B, KVH, triton.cdiv(2 * P, block))](
+            scores, part_lse, meta, meta.stride(0), mass, P, H=num_heads, KVH=KVH, G=G,
+            G_PAD=max(16, triton.next_power_of_2(G)), KV_BLOCK=block_size, NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK=block, PDL=on, **pdl.launch_options(on))
+    return out
+
+
+def observe_splits() -> bool:
+    """Whether the router's observing graph steps keep their bucket's key splits (the scores stored, then
+    observed by _observe_scores_kernel) instead of running in one: O3EDGE_ROUTER_OBSERVE_SPLITS=1. Off by
+    default until measured on the GPU: in one split the observing step's attention took ~3.9 ms of a
+    refresh step at 4K x 16 on the H200 against ~1.8 ms for an ordinary step (docs/benchmarks.md, eighth
+    round)."""
+    return os.environ.get("O3EDGE_ROUTER_OBSERVE_SPLITS") == "1"
 
 
 def router_decode_reference(qkv, cos, sin, meta, k_cache, v_cache, codes, scales, rotation, mode, num_heads,
