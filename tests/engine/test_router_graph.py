@@ -108,8 +108,11 @@ def test_steps_launched_ahead_give_the_same_tokens_and_skip_refresh_steps(tiny_d
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_router_decode_in_cuda_graphs_matches_eager(tiny_dir, mode):
+@pytest.mark.parametrize("mode, observe_splits", [("int8", "0"), ("int4", "0"), ("int8", "1")])
+def test_router_decode_in_cuda_graphs_matches_eager(tiny_dir, mode, observe_splits, monkeypatch):
+    """Captured router graphs (refresh steps observing in one key split, or with
+    O3EDGE_ROUTER_OBSERVE_SPLITS=1 in the bucket's) give the eager router's tokens, demotions on the way."""
+    monkeypatch.setenv("O3EDGE_ROUTER_OBSERVE_SPLITS", observe_splits)
     outs = []
     for graphs in (False, True):
         m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cuda", dtype="float32", kv_router=mode,
