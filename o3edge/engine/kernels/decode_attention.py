@@ -48,29 +48,42 @@ def _rope_rows(x_ptr, rows, row_mask, d, cos, sin, HD: tl.constexpr, w_ptr, eps,
 @triton.jit
 def attend_range(q, m, l_sum, acc, start, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
                  HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype,
-                 INTERPRET: tl.constexpr):
-    """Online softmax over keys start .. end, BLOCK_N a tile, read through the block table."""
+                 INTERPRET: tl.constexpr, SCORES: tl.constexpr = False, score_row=None, g=None, g_mask=None,
+                 score_stride=0):
+    """Online softmax over keys start .. end, BLOCK_N a tile, read through the block table. SCORES: each
+    key's scaled score is also stored at score_row (store_scores; the router's observing step in splits)."""
     if INTERPRET:  # the interpreter cannot take a tensor as a range bound; compiled code pipelines a for
         n0 = start
         while n0 < end:
             m, l_sum, acc = _attend_block(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot,
-                                          kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+                                          kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype, SCORES, score_row, g,
+                                          g_mask, score_stride)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
             m, l_sum, acc = _attend_block(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot,
-                                          kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
+                                          kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype, SCORES, score_row, g,
+                                          g_mask, score_stride)
     return m, l_sum, acc
 
 
 @triton.jit
 def _attend_block(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
-                  HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
+                  HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype,
+                  SCORES: tl.constexpr = False, score_row=None, g=None, g_mask=None, score_stride=0):
     """Online softmax over keys n0 .. n0+BLOCK_N (those below end), read through the block table."""
     offs, n_mask, s, v = paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
                                       KV_BLOCK, BLOCK_N, IEEE)
     s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))  # [G_PAD, BLOCK_N]
+    if SCORES:
+        store_scores(score_row, offs, n_mask, s, g, g_mask, score_stride)
     return softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
+
+
+@triton.jit
+def store_scores(row, idx, mask, s, g, g_mask, stride):
+    """Scores s [G_PAD, N] of the GQA group's heads at row + head * stride + idx (keys off mask left alone)."""
+    tl.store(row + g[:, None] * stride + idx[None, :], s, mask=g_mask[:, None] & mask[None, :])
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton.language as tl
 from o3edge.engine.kernels import INTERPRET, pdl
 from o3edge.engine.kernels.decode_attention import (attend_range, attend_self, head_ranges, key_tile, new_token,
                                                      paged_scores, softmax_init, softmax_step, split_range,
-                                                     store_rows)
+                                                     store_rows, store_scores)
 from o3edge.engine.kernels.gemv import offset_half
 
 
@@ -112,11 +112,11 @@ def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scale
     """The online softmax over compressed blocks table[j .. j+NB) (_cblock_scores); off IEEE the
     probabilities meet the dequantized values on the tensor cores in the cache's dtype. SCALE_AFTER: the
     probabilities are scaled by each key's value scale and meet the value codes themselves. SCORES: the
-    scaled scores are also stored at score_row (_store_scores), at the compressed keys' places."""
+    scaled scores are also stored at score_row (store_scores), at the compressed keys' places."""
     n_mask, slot, s = _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot,
                                      s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, SCALE_AFTER)
     if SCORES:
-        _store_scores(score_row, j * KV_BLOCK + tl.arange(0, CBLOCK_N), n_mask, s, g, g_mask, score_stride)
+        store_scores(score_row, j * KV_BLOCK + tl.arange(0, CBLOCK_N), n_mask, s, g, g_mask, score_stride)
     if SCALE_AFTER:
         v = _load_codes(v_codes, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS, True)
         v_scale = _load_scales(v_scales, slot, n_mask, kvh, s_slot, s_head)
@@ -287,43 +287,6 @@ def _rotated(x, rot_ptr, d, n_comp, HD: tl.constexpr, BITS: tl.constexpr, FWHT: 
 
 
 @triton.jit
-def _store_scores(row, idx, mask, s, g, g_mask, stride):
-    """Scores s [G_PAD, N] of the GQA group's heads at row + head * stride + idx (keys off mask left alone)."""
-    tl.store(row + g[:, None] * stride + idx[None, :], s, mask=g_mask[:, None] & mask[None, :])
-
-
-@triton.jit
-def _attend_range_scored(q, m, l_sum, acc, start, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale,
-                         d, score_row, g, g_mask, score_stride, HD: tl.constexpr, KV_BLOCK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype, INTERPRET: tl.constexpr):
-    """attend_range (kernels/decode_attention.py) that also stores each key's scaled score (_store_scores)."""
-    if INTERPRET:
-        n0 = start
-        while n0 < end:
-            m, l_sum, acc = _attend_block_scored(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr,
-                                                 stride_slot, kvh, sm_scale, d, score_row, g, g_mask, score_stride,
-                                                 HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
-            n0 += BLOCK_N
-    else:
-        for n0 in range(start, end, BLOCK_N):
-            m, l_sum, acc = _attend_block_scored(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr,
-                                                 stride_slot, kvh, sm_scale, d, score_row, g, g_mask, score_stride,
-                                                 HD, KV_BLOCK, BLOCK_N, IEEE, dtype)
-    return m, l_sum, acc
-
-
-@triton.jit
-def _attend_block_scored(q, m, l_sum, acc, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, sm_scale, d,
-                         score_row, g, g_mask, score_stride, HD: tl.constexpr, KV_BLOCK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr, dtype):
-    offs, n_mask, s, v = paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
-                                      KV_BLOCK, BLOCK_N, IEEE)
-    s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
-    _store_scores(score_row, offs, n_mask, s, g, g_mask, score_stride)
-    return softmax_step(s, v, m, l_sum, acc, IEEE, dtype)
-
-
-@triton.jit
 def _observe_scores_kernel(scores_ptr, part_lse_ptr, meta_ptr, stride_meta, mass_ptr, MASS_P, H: tl.constexpr,
                            KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, KV_BLOCK: tl.constexpr,
                            NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr,
@@ -385,19 +348,15 @@ def _router_decode_kernel(
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
     # SCORES (an observing step in key splits): each key's scaled score by head, for _observe_scores_kernel
     score_row = scores_ptr + (b * H + kvh * G).to(tl.int64) * 2 * MASS_P
-    if SCORES:
-        m, l_sum, acc = _attend_range_scored(q, m, l_sum, acc, start, end, meta + 5, k_cache_ptr, v_cache_ptr,
-                                             stride_slot, kvh, sm_scale, d, score_row, g, g_mask, 2 * MASS_P, HD,
-                                             KV_BLOCK, BLOCK_N, IEEE, dtype, INTERPRET)
-    else:
-        m, l_sum, acc = attend_range(q, m, l_sum, acc, start, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot,
-                                     kvh, sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype, INTERPRET)
+    m, l_sum, acc = attend_range(q, m, l_sum, acc, start, end, meta + 5, k_cache_ptr, v_cache_ptr, stride_slot, kvh,
+                                 sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype, INTERPRET, SCORES, score_row, g,
+                                 g_mask, 2 * MASS_P)
     if split == 0:  # the new token attends to itself
         m, l_sum, acc = attend_self(q, k_new, v_new, m, l_sum, acc, sm_scale)
         if SCORES:  # its score as attend_self makes it, after the full keys
             s_self = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sm_scale
             one = tl.arange(0, 1)
-            _store_scores(score_row, n_full + one, one < 1, s_self[:, None], g, g_mask, 2 * MASS_P)
+            store_scores(score_row, n_full + one, one < 1, s_self[:, None], g, g_mask, 2 * MASS_P)
 
     # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
     qf = _rotated(q.to(tl.float32), rot_ptr, d, n_comp, HD, BITS, FAST)
@@ -480,6 +439,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     B = qkv.shape[0]
     _, KVH, HD = k_cache.shape
     G = num_heads // KVH
+    g_pad = max(16, triton.next_power_of_2(G))
     max_blocks = (meta.shape[1] - 5) // 2
     out, part_o, part_lse = split_outputs(qkv, num_heads, HD, num_splits, k_cache.dtype)
     norm = q_norm is not None
@@ -503,7 +463,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         codes[0], codes[1], scales[0], scales[1], codes.stride(1), codes.stride(2), scales.stride(1),
         scales.stride(2), rot, q_norm if norm else cos, k_norm if norm else cos, eps, out, out.stride(0),
         part_o, part_lse, HD ** -0.5, mass if observe else cos, mass.shape[-1] if observe else 0, scores,
-        H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
+        H=num_heads, KVH=KVH, G=G, G_PAD=g_pad, HD=HD,
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=block_n, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
@@ -513,8 +473,8 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     if scored:
         P, block = mass.shape[-1], 512
         _observe_scores_kernel[(B, KVH, triton.cdiv(2 * P, block))](
-            scores, part_lse, meta, meta.stride(0), mass, P, H=num_heads, KVH=KVH, G=G,
-            G_PAD=max(16, triton.next_power_of_2(G)), KV_BLOCK=block_size, NUM_SPLITS=num_splits,
+            scores, part_lse, meta, meta.stride(0), mass, P, H=num_heads, KVH=KVH, G=G, G_PAD=g_pad,
+            KV_BLOCK=block_size, NUM_SPLITS=num_splits,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK=block, PDL=on, **pdl.launch_options(on))
     return out
 
