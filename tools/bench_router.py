@@ -43,7 +43,12 @@ bf16: `off` on the CUDA-graph decode step and the compressed settings with route
 adds every setting without graphs), with each setting's KV bytes per token and compressed share from
 the engine's stats, and the wall time of each engine step (percentiles, and the sum of the slowest
 sixteenth: the refresh steps, one in 16 by default). --floor adds `router-unobserved` there: the
-router's step with nothing compressed and nothing observed.
+router's step with nothing compressed and nothing observed. On random weights attention is flat, so the
+router keeps every token and reads as many bytes as `off`; `--shape model` runs --model's checkpoint (the
+built-in long-context reference model by default: 4,096 positions) on held-out stdlib docstrings instead,
+where the router compresses what its attention passes over:
+
+  python tools/bench_router.py --gpu --shape model --context 3840 --batch 16 --json ...
 """
 
 from __future__ import annotations
@@ -298,14 +303,39 @@ def quality(a) -> dict:
     return result
 
 
+def gpu_prompts(path: str, a, vocab: int):
+    """(prompts, warm-up prompts) for --gpu: random tokens on a random-weight shape; with --shape model,
+    windows of held-out stdlib docstrings (distinct for every sequence; the text wraps round when short),
+    so that a trained model's attention decides what the router keeps."""
+    n, length = a.batch + 2, a.context
+    if a.shape != "model":
+        g, warm = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+        return ([torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(a.batch)],
+                [torch.randint(1, vocab, (256,), generator=warm).tolist() for _ in range(2)])
+    import reference_corpus
+
+    from o3edge.engine.tokenizer import Tokenizer
+
+    tok, ids = Tokenizer(path), []
+    # held-out stdlib docstrings: every machine has them (the documentation sources are an extra package)
+    for text in reference_corpus.split(reference_corpus.load(None, ("stdlib",)))[2].values():
+        ids += tok.encode(text, add_special_tokens=False)
+    stride = max(1, len(ids) // n)
+    windows = [(ids * (1 + length // len(ids) + 1))[i * stride:i * stride + length] for i in range(n)]
+    return windows[:a.batch], [w[:256] for w in windows[a.batch:]]
+
+
 def gpu(a) -> dict:
     from make_tiny_model import SHAPES
 
     from o3edge.tiny import make_checkpoint
 
-    path = os.path.join(a.workdir, a.shape)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        make_checkpoint(path, **SHAPES[a.shape])
+    if a.shape == "model":  # a trained checkpoint (--model; default: the built-in reference model)
+        path = resolve_model_path(a.model)
+    else:
+        path = os.path.join(a.workdir, a.shape)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            make_checkpoint(path, **SHAPES[a.shape])
     rows = {}
     # blocks for the whole batch at full precision, plus a tenth: the router's scale tables come out of
     # the same budget, and a setting that demotes nothing (random weights) must not preempt either
@@ -319,23 +349,20 @@ def gpu(a) -> dict:
         eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, router_cuda_graphs=graphs,
                      num_kv_blocks=budget,
                      max_num_seqs=a.batch, max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
-        g = torch.Generator().manual_seed(0)
-        vocab = eng.info.args.vocab_size
-        warm = torch.Generator().manual_seed(1)  # a short generation first: the first refresh step's kernels load
-        for i in range(2):
-            ids = torch.randint(1, vocab, (256,), generator=warm).tolist()
+        prompts, warm = gpu_prompts(path, a, eng.info.args.vocab_size)
+        for i, ids in enumerate(warm):  # a short generation first: the first refresh step's kernels load
             eng.add_request(f"warm-up {i}", ids, SamplingParams(max_new_tokens=40, ignore_eos=True))
         while eng.has_unfinished_requests():
             eng.step()
         graphs = eng.runner.graphs
         if graphs is not None:
             graphs.num_steps = graphs.num_ahead_taken = 0
-        for i in range(a.batch):
-            ids = torch.randint(1, vocab, (a.context,), generator=g).tolist()
+        for i, ids in enumerate(prompts):
             eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
         while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
             eng.step()  # prefill everything (the first tokens)
         torch.cuda.synchronize()
+        demoted = getattr(eng.blocks, "num_demoted", 0)
         t0, n, steps = time.perf_counter(), 0, []
         while eng.has_unfinished_requests():
             t = time.perf_counter()
@@ -349,7 +376,8 @@ def gpu(a) -> dict:
         rows[name] = {"decode_tokens_per_s": round(n / dt, 1), "decode_tokens": n,
                       "kv_bytes_per_token": st.get("kv_bytes_per_token"),
                       "compressed_share": st.get("kv_tokens_compressed_share", 0.0),
-                      "preemptions": st.get("preemptions"), "steps": len(steps), "step_ms_p50": round(q[0], 3),
+                      "preemptions": st.get("preemptions"), "blocks_demoted_in_decode": getattr(eng.blocks, "num_demoted", 0) - demoted,
+                      "steps": len(steps), "step_ms_p50": round(q[0], 3),
                       "step_ms_p90": round(q[1], 3), "step_ms_p99": round(q[2], 3), "step_ms_max": round(max(steps), 3),
                       "step_ms_sum_top_16th": round(sum(sorted(steps)[-max(1, len(steps) // 16):]), 2)}
         if graphs is not None:  # steps taken from the launch-ahead queue, of the graph steps
@@ -471,7 +499,9 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="these settings (comma-separated labels; quality always runs off)")
     ap.add_argument("--capacity-budget", type=float, default=3.0, help="full-precision sequences the pool holds")
     ap.add_argument("--gpu", action="store_true", help="decode speed on the GPU (random weights) instead of quality")
-    ap.add_argument("--shape", default="llama-1b")
+    ap.add_argument("--shape", default="llama-1b",
+                    help="--gpu: a make_tiny_model.py shape (random weights), or `model`: --model's checkpoint "
+                         "on held-out stdlib docstrings")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=128)

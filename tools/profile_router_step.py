@@ -82,6 +82,7 @@ def main() -> None:
         eng.step()
     timed(RouterDecodeGraphs, "_step", "graph step (replay)")
     timed(KVRouter, "observed_in_graph", "observation's books")
+    timed(KVRouter, "prepare_routing", "routing's saliency read (prepare_routing)")
     timed(KVRouter, "end_step", "routing (end_step)")
     steps = []
     while eng.has_unfinished_requests():

@@ -199,6 +199,10 @@ class DecodeGraphs:
             i += 1
         return rows
 
+    def _ran(self, batch, rows: list[int] | None, index: torch.Tensor | None) -> None:
+        """Hook: the step for batch is on the device (rows: the queued step's rows it took, None when
+        launched now; index: those rows on the device when not all of them), the next not yet queued."""
+
     def _select(self, rows: list[int]) -> torch.Tensor:
         """rows as an index tensor on the device, copied from pinned memory without a sync."""
         host = self.rows_host[self.num_selects % 2]
@@ -213,7 +217,7 @@ class DecodeGraphs:
         n = len(batch)
         self.num_steps += 1
         B = next(b for b in self.batch_buckets if b >= n)
-        rows = self._is_ahead(batch)
+        rows, index = self._is_ahead(batch), None
         if rows is None:
             logits, tokens = self._launch(batch, B)
         else:
@@ -223,6 +227,7 @@ class DecodeGraphs:
                 index = self._select(rows)
                 tokens = tokens.index_select(0, index)
                 logits = None if greedy_only else logits.index_select(0, index)
+        self._ran(batch, rows, index)
         if not greedy_only:
             return logits[:n], None
         if not (self.launch_ahead and self._continues(batch)):

@@ -21,8 +21,9 @@ block stays demoted while it lives; precision is a property of the block, so eve
 it through the prefix cache reads the same compressed copy, and its hash does not change. A block
 another sequence also holds is not demoted (one sequence's saliency does not decide for the other).
 Routing decides in the step; the demotions are carried out when the engine marks the step's tokens
-computed (after the blocks sealed in the step are named, so a named block's full-precision copy
-can be offered to the cold tier first).
+computed (after the blocks sealed are named, so a named block's full-precision copy can be offered to
+the cold tier first), and a decode refresh's one step later, on every path: the graph path queues that
+next step behind the refresh step, over the block tables as they are (router_graph.py).
 
 Memory: the compressed pool lives in the full-precision pool's own bytes. A full-precision block can
 host `per_host` compressed blocks (codes only: INT8 2 and INT4 4 per bf16 block, twice that per
@@ -64,6 +65,14 @@ class RouterConfig:
     obs_window: int = 32  # prompt queries observed at prefill
 
 
+def on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on device, copied from pinned memory without waiting for the work queued there (a
+    copy from pageable memory waits for the stream: on the graph path, for the step just launched)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def salient_rows(rows: list[torch.Tensor], threshold: float) -> torch.Tensor:
     """Bool [len(rows), longest] (False past a row's end): for each row of saliency, the smallest set of
     its positions covering `threshold` of its total (ties broken by position, so the choice is
@@ -98,8 +107,13 @@ def holding_blocks(rows: list[torch.Tensor], threshold: float, block_size: int) 
 
 def sealed_holds(keep: torch.Tensor, block_size: int) -> "np.ndarray":
     """Bool [rows, sealed blocks] on the host: whether each whole block of keep [rows, n] holds a True."""
+    return sealed_any(keep, block_size).cpu().numpy()
+
+
+def sealed_any(keep: torch.Tensor, block_size: int) -> torch.Tensor:
+    """sealed_holds on keep's device."""
     sealed = keep.shape[1] // block_size
-    return keep[:, :sealed * block_size].reshape(keep.shape[0], sealed, block_size).any(2).cpu().numpy()
+    return keep[:, :sealed * block_size].reshape(keep.shape[0], sealed, block_size).any(2)
 
 
 def blocks_to_demote(holds: list[bool], ctx: int, block_size: int, cfg: RouterConfig,
@@ -161,9 +175,9 @@ class SaliencyBooks:
     def saliency(self, rows: list[int], ctxs: list[int]) -> torch.Tensor:
         """[len(rows), max(ctxs)] saliency = mass / observers of each row's positions below its ctx (0 past it)."""
         C = max(ctxs)
-        index = torch.tensor(rows, device=self.device)
+        index, ends = on_device(torch.tensor([rows, ctxs]), self.device)
         sal = self.mass[index, :C] / self.count[index, :C].clamp_min(1.0)
-        past = torch.arange(C, device=self.device)[None, :] >= torch.tensor(ctxs, device=self.device)[:, None]
+        past = torch.arange(C, device=self.device)[None, :] >= ends[:, None]
         return sal.masked_fill_(past, 0.0)
 
 
@@ -237,7 +251,12 @@ class KVRouter:
         # positions a sequence may reach (default: as many as the pools could hold)
         self.books = SaliencyBooks(max_len or num_full_blocks * self.per_host * block_size, self.device)
         self.step_no = 0  # router steps so far: decode refreshes happen at the same steps for every sequence
-        self.plans: dict[int, list[tuple[int, int]]] = {}  # seq_id -> (table index, block id) to demote
+        # seq_id -> (table index, block id) to demote: `plans` when this step's end carries them out,
+        # `pending` when they were planned in this step (carried out at the next step's end)
+        self.plans: dict[int, list[tuple[int, int]]] = {}
+        self.pending: dict[int, list[tuple[int, int]]] = {}
+        self.prepared = None  # a graph step's routing started on the device (prepare_routing)
+        self.moves: list[tuple[int, int]] = []  # (full-precision block, compressed block) to quantize (move)
         self.full_bytes_per_token = full_bytes_per_token
         self.comp_bytes_per_token = L * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
         self.host_bytes = block_size * full_bytes_per_token + self.per_host * scale_bytes_per_block(
@@ -247,16 +266,27 @@ class KVRouter:
         return block_id >= self.num_full_blocks
 
     # ---- blocks (called by router_blocks.RouterBlocks) ---------------------------------------
-    def compress(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A full-precision block's K/V (all layers), quantized: (codes, scales), new tensors."""
-        lo, hi = block_id * self.block_size, (block_id + 1) * self.block_size
-        return quantize(self.kv_cache[:, :, lo:hi], self.cfg.mode, self.rotation)
+    def move(self, block_id: int, comp: int) -> None:
+        """Queue a demotion's data: full-precision block block_id's K/V, quantized, into compressed block
+        comp. flush_moves carries out every move queued in one quantization; it runs before a step's
+        kernels read the pools and before a freed block is handed out again (router_blocks.py)."""
+        self.moves.append((block_id, comp))
 
-    def store(self, comp: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """Write compressed block `comp` (0-based in the compressed pool)."""
-        lo, hi = comp * self.block_size, (comp + 1) * self.block_size
-        self.codes[:, :, lo:hi] = codes
-        self.scales[:, :, lo:hi] = scales
+    @torch.inference_mode()
+    def flush_moves(self) -> None:
+        """Carry out the queued moves: every source block gathered (a copy) before any is written, so a
+        block whose own bytes host its codes is read first. (Demoting one block at a time, a quantization
+        each, made the router's refresh steps on a trained model take up to 42 ms with INT8 and 108 ms
+        with INT4 on the H200: tools/bench_router.py --gpu --shape model, docs/benchmarks.md, ninth round.)"""
+        if not self.moves:
+            return
+        bs = self.block_size
+        blocks = torch.tensor(self.moves, dtype=torch.long)
+        slots = on_device((blocks[:, :, None] * bs + torch.arange(bs)).transpose(0, 1).reshape(2, -1), self.device)
+        self.moves = []
+        codes, scales = quantize(self.kv_cache[:, :, slots[0]], self.cfg.mode, self.rotation)
+        self.codes[:, :, slots[1]] = codes
+        self.scales[:, :, slots[1]] = scales
 
     def take_plan(self, seq_id: int) -> list[tuple[int, int]]:
         return self.plans.pop(seq_id, [])
@@ -264,10 +294,12 @@ class KVRouter:
     def forget(self, seq_id: int) -> None:
         self.books.release(seq_id)
         self.plans.pop(seq_id, None)
+        self.pending.pop(seq_id, None)
 
     # ---- steps -----------------------------------------------------------------------------
     def begin_step(self, batch) -> RouterStep:
         """The per-sequence key split and observation plan of a step over batch [(seq, n)]."""
+        self.flush_moves()
         bs, parts, row, nf = self.block_size, [], 0, self.num_full_blocks
         for seq, n in batch:
             start = seq.num_computed_tokens
@@ -298,9 +330,10 @@ class KVRouter:
         """Whether routing needs saliency (threshold 0 demotes every eligible block without it)."""
         return self.cfg.threshold > 0
 
-    def observing_now(self) -> bool:
-        """Whether this step's decoding sequences observe (a refresh step, with saliency needed)."""
-        return self.observing and self._due()
+    def observing_now(self, ahead: int = 0) -> bool:
+        """Whether this step's decoding sequences observe (a refresh step, with saliency needed); with
+        ahead, the step that many after this one."""
+        return self.observing and self._due(ahead)
 
     def _due(self, ahead: int = 0) -> bool:
         """Whether the current step (ahead: the one that many after it) is a decode refresh step
@@ -308,33 +341,67 @@ class KVRouter:
         return (self.step_no + 1 + ahead) % self.cfg.refresh_steps == 0
 
     def may_queue_next(self) -> bool:
-        """Whether the graph path may launch the next step before this one's books are done: not after
-        a refresh step (its routing may demote blocks), and not when the next one observes."""
-        return not self._due() and not (self.observing and self._due(1))
+        """Whether the graph path may queue the next step behind this one: not when this step's end carries
+        out demotions (planned a step ago), since the next step must read the block tables they change."""
+        return not self.pending
 
     def end_step(self, batch) -> None:
-        """Route the sequences whose prompt just ended, and the decoding ones due for a refresh: plan
-        the demotions, which RouterBlocks.mark_computed carries out."""
-        due = self._due()
+        """Route the sequences whose prompt just ended, and the decoding ones due for a refresh: plan the
+        demotions, which RouterBlocks.mark_computed carries out at the end of this step for a prompt and
+        of the next step for a refresh (so that the graph path can queue that step before this routing is
+        done: router_graph.py). The demotions a refresh planned a step ago are due now."""
+        routed = self._routed(batch)
+        prepared, self.prepared = self.prepared, None
         self.step_no += 1
-        routed = []
+        for seq_id, plan in self.pending.items():
+            self.plans[seq_id] = self.plans.get(seq_id, []) + plan
+        self.pending = {}
+        if not routed:
+            return
+        bs, nf = self.block_size, self.num_full_blocks
+        if prepared is not None and prepared[0] == [(seq.seq_id, ctx) for seq, ctx, _ in routed]:
+            holds = prepared[1]() if callable(prepared[1]) else prepared[1]
+        else:
+            ctxs = [ctx for _, ctx, _ in routed]
+            holds = sealed_holds(salient(self.books.saliency([row for _, _, row in routed], ctxs),
+                                         self.cfg.threshold), bs)
+        for (seq, ctx, _), held in zip(routed, holds):
+            table = seq.block_table[:ctx // bs]
+            plan = blocks_to_demote(held, ctx, bs, self.cfg, np.asarray(table) >= nf)
+            if plan:  # a prompt's routing (an eager step, nothing queued behind it) is carried out now
+                (self.plans if seq.num_output_tokens == 0 else self.pending)[seq.seq_id] = [(i, table[i]) for i in plan]
+
+    def _routed(self, batch) -> list:
+        """(seq, context, book row) of the sequences this step routes; their books start when their prompt
+        ends, observed or not."""
+        due, routed = self._due(), []
         for seq, n in batch:
             ctx = seq.num_computed_tokens + n
             if ctx < len(seq):
                 continue  # a prompt chunk that does not end the prompt
-            row = self.books.row(seq.seq_id)  # its books start when its prompt ends, observed or not
+            row = self.books.row(seq.seq_id)
             if seq.num_output_tokens == 0 or due:
                 routed.append((seq, ctx, row))
+        return routed
+
+    def prepare_routing(self, batch) -> None:
+        """Start the saliency reading of the routing end_step will do for this step (a graph step's, after
+        its observation's books): on CUDA its result comes back to pinned memory behind an event, so that
+        end_step waits for this step's work alone, not for a step queued after it."""
+        routed = self._routed(batch)
         if not routed:
             return
-        bs, nf = self.block_size, self.num_full_blocks
         ctxs = [ctx for _, ctx, _ in routed]
-        keep = salient(self.books.saliency([row for _, _, row in routed], ctxs), self.cfg.threshold)
-        for (seq, ctx, _), held in zip(routed, sealed_holds(keep, bs)):
-            table = seq.block_table[:ctx // bs]
-            plan = blocks_to_demote(held, ctx, bs, self.cfg, np.asarray(table) >= nf)
-            if plan:
-                self.plans[seq.seq_id] = [(i, table[i]) for i in plan]
+        held = sealed_any(salient(self.books.saliency([row for _, _, row in routed], ctxs), self.cfg.threshold),
+                          self.block_size)
+        if self.device.type == "cuda":
+            host = torch.empty(held.shape, dtype=torch.bool, pin_memory=True).copy_(held, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            holds = lambda: (done.synchronize(), host.numpy())[1]  # noqa: E731
+        else:
+            holds = held.numpy()
+        self.prepared = ([(seq.seq_id, ctx) for seq, ctx, _ in routed], holds)
 
     # ---- attention -------------------------------------------------------------------------
     def attend_seq(self, layer: int, q: torch.Tensor, k_cache, v_cache, part: _SeqStep) -> torch.Tensor:
@@ -385,7 +452,7 @@ class KVRouter:
             pos = seq.num_computed_tokens
             meta[b, :len(full)], meta[b, W:W + len(comp)] = full, comp
             meta[b, 2 * W:] = (pos + 1 - len(comp) * bs, len(comp) * bs, self.books.row(seq.seq_id), pos + 1)
-        meta = torch.from_numpy(meta).to(dev)  # one copy
+        meta = on_device(torch.from_numpy(meta), dev)  # one copy
         tables, num_keys = meta[:, :2 * W].reshape(n, 2, W), meta[:, 2 * W:2 * W + 2]
         book_rows, ends = meta[:, -2], meta[:, -1]
         keys = (tables[..., None] * bs + torch.arange(bs, device=dev)).view(n, 2, P)  # each key's position

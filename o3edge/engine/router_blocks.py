@@ -9,7 +9,8 @@ allocator needs it (`_take_free` with an empty free list), which drops what they
 Demoting the block at seq.block_table[i] (only when seq is its one holder):
   1. a named block is offered to the cold tier first (`on_cached_free`, the same hook a named block
      losing its last holder calls): its full-precision bytes may come back from there later;
-  2. its K/V are quantized (the router's `compress`);
+  2. its K/V are to be quantized (the router's `move`: queued, and carried out for every block demoted
+     since in one go by `flush_moves`, before a step reads the pools or a freed block is handed out);
   3. the codes go into a free compressed slot, least recently freed first (a cached compressed block
      there is dropped), or, when no slot is free, into the block's own bytes: the block becomes a host
      with per_host - 1 free slots (`on_reuse` first, so a pending cold-tier copy is made before);
@@ -30,8 +31,8 @@ from o3edge.engine.sequence import Sequence
 
 
 class Demoter(Protocol):
-    def compress(self, block_id: int): ...
-    def store(self, comp: int, codes, scales) -> None: ...
+    def move(self, block_id: int, comp: int) -> None: ...
+    def flush_moves(self) -> None: ...
     def take_plan(self, seq_id: int) -> list[tuple[int, int]]: ...
 
 
@@ -111,6 +112,8 @@ class RouterBlocks(BlockManager):
             super()._release(block)
 
     def _take_free(self) -> int:
+        if self.demoter is not None:
+            self.demoter.flush_moves()  # a block demoted since is read before it is handed out again
         if not self.free:
             self._reclaim_host()
         return super()._take_free()
@@ -152,7 +155,6 @@ class RouterBlocks(BlockManager):
             return False
         if old.hash is not None and self.on_cached_free is not None:
             self.on_cached_free(old)  # the full-precision copy goes to the cold tier
-        codes, scales = self.demoter.compress(old.block_id)
         in_place = not self.comp_free
         if in_place:  # the block's own bytes host it and per_host - 1 free compressed slots
             if self.on_reuse is not None:
@@ -166,7 +168,7 @@ class RouterBlocks(BlockManager):
             new = self.blocks[next(iter(self.comp_free))]
             self._comp_unfree(new.block_id)
             self._forget_name(new)
-        self.demoter.store(new.block_id - self.num_full, codes, scales)
+        self.demoter.move(old.block_id, new.block_id - self.num_full)  # the data: at the next flush_moves
         new.ref_count, new.hash, new.token_ids, new.parent = 1, old.hash, old.token_ids, old.parent
         if old.hash is not None and self.cached.get(old.hash) == old.block_id:
             self.cached[old.hash] = new.block_id

@@ -7,20 +7,24 @@ captured graph. Its metadata rows are wider: the full-precision block table is c
 compressed blocks left out) and the compressed blocks get a table of their own.
 
 Steps that observe attention for saliency (every `refresh_steps`-th router step, the same for every
-sequence; none with threshold 0) replay a second graph per bucket: the same step with one key split,
-whose attention kernels also add each key's probability (averaged over the heads) into a static mass
-buffer, layer after layer; after the replay the router adds those rows to each sequence's books
-(KVRouter.observed_in_graph). (Keeping the bucket's key splits and observing in a second kernel after
-them, which read the keys again, was measured on the H200 and was no faster: 5,499 against 5,593 tok/s
-for INT8 at 4K x 16, docs/results/gpu-2026-12-01c/; it was removed.) With O3EDGE_ROUTER_OBSERVE_SPLITS=1
-(off until measured) the observing graph keeps the bucket's splits, which store their keys' scores, and a
-small kernel turns them into probabilities once every split's log-sum-exp is known: no second pass
-over the keys. Prompt steps run eager.
+sequence; none with threshold 0) replay a second graph per bucket: the same step whose attention
+kernels also store each key's scaled scores, and a small kernel turns them into probabilities
+(averaged over the heads) once every key split's log-sum-exp is known, adding them into a static mass
+buffer layer after layer; once the step is taken, the router adds those rows to each sequence's books
+(KVRouter.observed_in_graph) and starts reading the saliency it will route by (prepare_routing).
+(O3EDGE_ROUTER_OBSERVE_SPLITS=0 observes in one key split instead, each program making its rows'
+probabilities in a second pass over its keys: on the H200 its replay took ~3.9 ms against ~2.1 at 4K x
+16, docs/benchmarks.md, ninth round. Observing in a second kernel after the bucket's splits, which read
+the keys again, was no faster than that: docs/results/gpu-2026-12-01c/; it was removed.) Prompt steps
+run eager.
 
 Steps are launched ahead as on the plain graph path (cuda_graph.py: the host's work for step n hides
-under the GPU's for step n+1), except around refresh steps: routing after a refresh step changes block
-tables (demotions), so nothing is queued after one, and a refresh step that observes is never the one
-queued (its books are kept after its replay).
+under the GPU's for step n+1), observing steps and the steps after a refresh included: an observing
+step's books are added when it is taken (a dropped one adds nothing), and routing's demotions are
+carried out at the end of the step after the refresh (router.py), so the step queued behind a refresh
+step reads the block tables it was queued with, as the eager path's next step does. The one step not
+queued is the one after that, when demotions are due at its end (KVRouter.may_queue_next). Blocks
+demoted since the last step get their codes (KVRouter.flush_moves) before a step is launched.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         super().__init__(runner, max_batch, capture, launch_ahead)
         self.observe_graphs: dict = {}
         self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
+        self.observed: dict[int, list] = {}  # ahead (0: launched now, 1: queued) -> rows of an observing step
         self.mass = None
         if runner.router.observing:  # [bucket, KVH, 2, keys]: one observing step's probabilities
             self.mass = torch.zeros(self.batch_buckets[-1], runner.args.num_kv_heads, 2,
@@ -83,11 +88,17 @@ class RouterDecodeGraphs(DecodeGraphs):
             mass = self.mass[:B]
             mass.zero_()
             attention = functools.partial(self._attention, mass=mass)
-            # one split: each program knows its rows' final log-sum-exp and observes in place; with
-            # O3EDGE_ROUTER_OBSERVE_SPLITS=1 the bucket's splits store scores, observed after them
+            # the bucket's splits store scores, observed after them; with O3EDGE_ROUTER_OBSERVE_SPLITS=0
+            # one split, each program knowing its rows' final log-sum-exp and observing in place
             splits = splits if observe_splits() else 1
         return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, splits,
                               self.fused, attention=attention)
+
+    def _launch(self, batch, B: int, ahead: int = 0, tokens=None):
+        self.runner.router.flush_moves()  # blocks demoted since the last step: their codes first
+        out = super()._launch(batch, B, ahead, tokens)
+        self.observed[ahead] = self.rows
+        return out
 
     def _step(self, B: int):
         if self.rows is None:
@@ -95,15 +106,24 @@ class RouterDecodeGraphs(DecodeGraphs):
         if self.capture:
             graph, logits, out = self.observe_graphs[B]
             graph.replay()
-        else:
-            logits, out = self._forward(B, observe=True)
-        self.runner.router.observed_in_graph(self.rows, self.mass[:len(self.rows)])
-        return logits, out
+            return logits, out
+        return self._forward(B, observe=True)
+
+    def _ran(self, batch, rows, index) -> None:
+        """The step taken observed: its books (the rows of the sequences still in the batch); then the
+        saliency the routing at this step's end reads, started before a next step is queued."""
+        router, observed = self.runner.router, self.observed.pop(0 if rows is None else 1, None)
+        self.observed.clear()
+        if observed is not None:
+            mass = self.mass[:len(observed)]
+            if index is not None:
+                observed, mass = [observed[i] for i in rows], mass.index_select(0, index)
+            router.observed_in_graph(observed, mass)
+        router.prepare_routing(batch)
 
     def fill_meta(self, meta, batch, B: int, ahead: int) -> None:
         bs, mb, nf = self.block_size, self.max_blocks, self.runner.router.num_full_blocks
-        # a queued step never observes (RouterDecodeGraphs._continues)
-        self.rows = [] if not ahead and self.mass is not None and self.runner.router.observing_now() else None
+        self.rows = [] if self.mass is not None and self.runner.router.observing_now(ahead) else None
         for b, (seq, _) in enumerate(batch):
             pos = seq.num_computed_tokens + ahead
             table = seq.block_table[:pos // bs + 1]

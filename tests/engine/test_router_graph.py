@@ -87,10 +87,11 @@ def test_graph_refresh_step_observes_what_the_eager_step_observes(tiny_dir, mode
     assert compared >= 4 and with_compressed  # both pools were observed
 
 
-def test_steps_launched_ahead_give_the_same_tokens_and_skip_refresh_steps(tiny_dir):
-    """With launch ahead, the graph path queues step n+1 while the host finishes step n, except after
-    a refresh step (its routing demotes blocks) and before an observing one: the tokens are those of
-    the same path without it, blocks are demoted on the way, and queued steps were taken."""
+def test_steps_launched_ahead_give_the_same_tokens_refresh_steps_included(tiny_dir):
+    """With launch ahead, the graph path queues step n+1 while the host finishes step n, observing
+    refresh steps and the steps after them included; only a step whose end carries out demotions
+    (planned one step earlier) queues nothing: the tokens are those of the same path without it,
+    blocks are demoted on the way, and all but a few steps were taken from the queue."""
     routed = {**ROUTED, "router_threshold": 0.5, "router_refresh_steps": 4}
     outs = []
     for ahead in (False, True):
@@ -98,12 +99,13 @@ def test_steps_launched_ahead_give_the_same_tokens_and_skip_refresh_steps(tiny_d
         runner = m.engine.runner
         runner.graphs = RouterDecodeGraphs(runner, 4, capture=False, launch_ahead=ahead)
         ids = [m.engine.encode(PROMPT + f"What is module {i}?") for i in range(3)]
-        outs.append([r.token_ids for r in m.generate_batch(ids, SamplingParams(max_new_tokens=17, ignore_eos=True))])
-        assert m.engine.blocks.num_demoted > 0 and runner.graphs.num_steps > 12
+        outs.append([r.token_ids for r in m.generate_batch(ids, SamplingParams(max_new_tokens=11, ignore_eos=True))])
+        assert m.engine.blocks.num_demoted > 0 and runner.graphs.num_steps >= 10
         taken, steps = runner.graphs.num_ahead_taken, runner.graphs.num_steps
         print(f"launch ahead {ahead}: {taken} of {steps} graph steps taken from the queue")
-        # of every 4 steps two are queued: not the refresh step (observing), nor the one after it (routed)
-        assert (steps // 2 - 4 <= taken <= steps // 2 + 1) if ahead else taken == 0
+        # not taken: the first decode step, and those after a step that carried out demotions (8 of 10
+        # taken here; before refresh steps were queued, every refresh step and the one after it missed)
+        assert (taken >= steps - 4) if ahead else taken == 0
     assert outs[0] == outs[1]
 
 

@@ -430,7 +430,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     `_observe`). In one key split each program knows its rows' final log-sum-exp and observes in a second
     pass over its keys; in several, each split stores its keys' scores by head into a scratch [B, H, 2, P]
     and a second kernel (_observe_scores_kernel) turns them into probabilities once every split's
-    log-sum-exp is known (router_graph.py uses it with O3EDGE_ROUTER_OBSERVE_SPLITS=1).
+    log-sum-exp is known (router_graph.py's observing steps, by default).
     Returns the attention output [B, H * hd]. Static shapes: it can be
     captured in a CUDA graph. config (BLOCK_N, compressed keys a tile, num_warps, num_stages) overrides the
     tiling (tools/bench_attention.py)."""
@@ -481,11 +481,12 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 def observe_splits() -> bool:
     """Whether the router's observing graph steps keep their bucket's key splits (the scores stored, then
-    observed by _observe_scores_kernel) instead of running in one: O3EDGE_ROUTER_OBSERVE_SPLITS=1. Off by
-    default until measured on the GPU: in one split the observing step's attention took ~3.9 ms of a
-    refresh step at 4K x 16 on the H200 against ~1.8 ms for an ordinary step (docs/benchmarks.md, eighth
-    round)."""
-    return os.environ.get("O3EDGE_ROUTER_OBSERVE_SPLITS") == "1"
+    observed by _observe_scores_kernel) instead of running in one (O3EDGE_ROUTER_OBSERVE_SPLITS=0). On by
+    default: on the H200 (llama-1b, 16 sequences at 4,096 tokens, bf16) the observing attention took 59.7
+    us a layer in 3 splits against 155.4 in one (uniform INT8), the observing step's replay ~2.1 ms against
+    ~3.9, and whole decode with the INT8 router went from 7,113 to 7,380 tok/s (docs/benchmarks.md, ninth
+    round; raw docs/results/gpu-2026-12-02/router-splits/)."""
+    return os.environ.get("O3EDGE_ROUTER_OBSERVE_SPLITS", "1") != "0"
 
 
 def router_decode_reference(qkv, cos, sin, meta, k_cache, v_cache, codes, scales, rotation, mode, num_heads,
