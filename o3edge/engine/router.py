@@ -101,17 +101,12 @@ def salient(sal: torch.Tensor, threshold: float) -> torch.Tensor:
 def holding_blocks(rows: list[torch.Tensor], threshold: float, block_size: int) -> list[list[bool]]:
     """For each row of saliency (a sequence's positions 0 .. ctx-1), whether each of its sealed blocks
     holds a salient token: one copy to the host for every row."""
-    holds = sealed_holds(salient_rows(rows, threshold), block_size).tolist()
+    holds = sealed_any(salient_rows(rows, threshold), block_size).tolist()
     return [h[:r.numel() // block_size] for h, r in zip(holds, rows)]
 
 
-def sealed_holds(keep: torch.Tensor, block_size: int) -> "np.ndarray":
-    """Bool [rows, sealed blocks] on the host: whether each whole block of keep [rows, n] holds a True."""
-    return sealed_any(keep, block_size).cpu().numpy()
-
-
 def sealed_any(keep: torch.Tensor, block_size: int) -> torch.Tensor:
-    """sealed_holds on keep's device."""
+    """Bool [rows, sealed blocks], on keep's device: whether each whole block of keep [rows, n] holds a True."""
     sealed = keep.shape[1] // block_size
     return keep[:, :sealed * block_size].reshape(keep.shape[0], sealed, block_size).any(2)
 
@@ -360,16 +355,17 @@ class KVRouter:
             return
         bs, nf = self.block_size, self.num_full_blocks
         if prepared is not None and prepared[0] == [(seq.seq_id, ctx) for seq, ctx, _ in routed]:
-            holds = prepared[1]() if callable(prepared[1]) else prepared[1]
+            _, holds, done = prepared
+            if done is not None:
+                done.synchronize()
         else:
-            ctxs = [ctx for _, ctx, _ in routed]
-            holds = sealed_holds(salient(self.books.saliency([row for _, _, row in routed], ctxs),
-                                         self.cfg.threshold), bs)
-        for (seq, ctx, _), held in zip(routed, holds):
+            holds = self._held(routed).cpu()
+        for (seq, ctx, _), held in zip(routed, holds.numpy()):
             table = seq.block_table[:ctx // bs]
             plan = blocks_to_demote(held, ctx, bs, self.cfg, np.asarray(table) >= nf)
             if plan:  # a prompt's routing (an eager step, nothing queued behind it) is carried out now
-                (self.plans if seq.num_output_tokens == 0 else self.pending)[seq.seq_id] = [(i, table[i]) for i in plan]
+                books = self.plans if seq.num_output_tokens == 0 else self.pending
+                books[seq.seq_id] = [(i, table[i]) for i in plan]
 
     def _routed(self, batch) -> list:
         """(seq, context, book row) of the sequences this step routes; their books start when their prompt
@@ -391,17 +387,19 @@ class KVRouter:
         routed = self._routed(batch)
         if not routed:
             return
-        ctxs = [ctx for _, ctx, _ in routed]
-        held = sealed_any(salient(self.books.saliency([row for _, _, row in routed], ctxs), self.cfg.threshold),
-                          self.block_size)
+        held, done = self._held(routed), None
         if self.device.type == "cuda":
-            host = torch.empty(held.shape, dtype=torch.bool, pin_memory=True).copy_(held, non_blocking=True)
+            held = torch.empty(held.shape, dtype=torch.bool, pin_memory=True).copy_(held, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            holds = lambda: (done.synchronize(), host.numpy())[1]  # noqa: E731
-        else:
-            holds = held.numpy()
-        self.prepared = ([(seq.seq_id, ctx) for seq, ctx, _ in routed], holds)
+        self.prepared = ([(seq.seq_id, ctx) for seq, ctx, _ in routed], held, done)
+
+    def _held(self, routed) -> torch.Tensor:
+        """Bool [routed, sealed blocks] on the device: whether each sealed block of each routed sequence
+        holds a salient token."""
+        ctxs = [ctx for _, ctx, _ in routed]
+        sal = self.books.saliency([row for _, _, row in routed], ctxs)
+        return sealed_any(salient(sal, self.cfg.threshold), self.block_size)
 
     # ---- attention -------------------------------------------------------------------------
     def attend_seq(self, layer: int, q: torch.Tensor, k_cache, v_cache, part: _SeqStep) -> torch.Tensor:
