@@ -8,11 +8,19 @@ routing, and the rest of the engine step, for refresh steps and ordinary ones.
 Same engine and prompts as `tools/bench_router.py --gpu`. Each part is wrapped with a timer that
 synchronizes the device before and after it, so the parts do not overlap as they do in a normal run
 (launch ahead is off here): the figures say what each part costs, not what a step costs.
+
+With --trace the steps run as in a normal run (launched ahead, no timers) under torch.profiler, and each
+engine step reports how long the GPU sat idle while the host was in that step (what the host's work
+left it waiting for), by kind: refresh steps, the step after each, the others; and the host operations
+with the most time of their own in the refresh steps. `TRITON_INTERPRET=1 ... --trace --device cpu --shape
+tiny --context 64 --batch 2 --steps 20` runs it on the CPU (Triton's interpreter: no GPU figures, a check
+that it runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -49,6 +57,69 @@ def timed(cls, name: str, label: str) -> None:
     setattr(cls, name, wrapper)
 
 
+def labelled(cls, name: str) -> None:
+    """Wrap cls.name in a torch.profiler range of its own name (no synchronization)."""
+    from torch.profiler import record_function
+
+    fn = getattr(cls, name)
+
+    def wrapper(self, *args, **kw):
+        with record_function(f"{cls.__name__}.{name}"):
+            return fn(self, *args, **kw)
+
+    setattr(cls, name, wrapper)
+
+
+def trace(eng, a) -> dict:
+    """The decode steps under torch.profiler, launched ahead as in a normal run: per engine step, the GPU's
+    idle time inside the step's host window; medians by kind, and the refresh steps' busiest host ops."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = a.device == "cuda"
+    for cls, name in ((RouterDecodeGraphs, "_ran"), (KVRouter, "observed_in_graph"), (KVRouter, "prepare_routing"),
+                      (KVRouter, "end_step"), (KVRouter, "flush_moves")):
+        labelled(cls, name)  # their host time of their own shows under their names
+    kinds = []
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        while eng.has_unfinished_requests():
+            refresh = eng.runner.router.observing_now()
+            with record_function(f"engine step {len(kinds)}"):
+                eng.step()
+            kinds.append("refresh" if refresh else "after refresh" if kinds and kinds[-1] == "refresh" else "other")
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    windows = sorted((e.time_range.start, e.time_range.end, int(e.name.rsplit(" ", 1)[1])) for e in events
+                     if e.name.startswith("engine step "))
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    rows = collections.defaultdict(lambda: collections.defaultdict(list))
+    host_ops: collections.Counter = collections.Counter()
+    starts = [k0 for k0, _ in gpu]
+    for start, end, i in windows:
+        busy, last = 0.0, start
+        for k0, k1 in gpu[bisect.bisect_left(starts, start - 100_000):]:  # the kernels' union inside the window
+            if k0 >= end:
+                break
+            lo, hi = max(k0, last), min(k1, end)
+            if hi > lo:
+                busy, last = busy + hi - lo, hi
+        rows[kinds[i]]["wall_ms"].append((end - start) / 1e3)
+        rows[kinds[i]]["gpu_idle_ms"].append((end - start - busy) / 1e3)
+        if kinds[i] == "refresh":
+            for e in events:
+                if (e.device_type == torch.autograd.DeviceType.CPU and start <= e.time_range.start < end
+                        and not e.name.startswith("engine step ")):
+                    host_ops[e.name] += e.self_cpu_time_total / 1e3
+    n_refresh = max(1, kinds.count("refresh"))
+    return {"setting": a.setting, "shape": a.shape, "context": a.context, "batch": a.batch, "device": a.device,
+            "launch_ahead": True, "steps": len(kinds),
+            "steps_launched_ahead": eng.runner.graphs.num_ahead_taken,
+            "by_kind_median_ms": {kind: {**{k: round(statistics.median(v), 3) for k, v in r.items()},
+                                         "n": len(r["wall_ms"])} for kind, r in rows.items()},
+            "refresh_host_ops_ms_per_step": {name: round(ms / n_refresh, 3) for name, ms in host_ops.most_common(15)}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setting", default="router-int8")
@@ -58,6 +129,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--workdir", default="/tmp/o3edge-bench-router")
     ap.add_argument("--json")
+    ap.add_argument("--trace", action="store_true", help="launch ahead on, no timers: the GPU's idle time by step")
+    ap.add_argument("--device", default="cuda", help="--trace: cuda, or cpu for a check under the interpreter")
     a = ap.parse_args()
     if a.setting == "off":  # no router: its steps are DecodeGraphs' (tools/bench_router.py --gpu times them)
         ap.error("--setting: a router setting (router-int8, router-int4, ...); off has no router steps")
@@ -70,16 +143,28 @@ def main() -> None:
         make_checkpoint(path, **SHAPES[a.shape])
     bench_router.SETTINGS.update(bench_router.FLOOR_GPU)
     budget = (a.batch * (a.context + a.steps + 64) // 32 + 8) * 11 // 10
-    eng = bench_router.engine(path, a.setting, "cuda", "bfloat16", None, cuda_graphs=True, router_cuda_graphs=True,
+    dtype = "bfloat16" if a.device == "cuda" else "float32"
+    eng = bench_router.engine(path, a.setting, a.device, dtype, None, cuda_graphs=True, router_cuda_graphs=True,
                               num_kv_blocks=budget, max_num_seqs=a.batch,
                               max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
-    eng.runner.graphs.launch_ahead = False
+    if a.device != "cuda":  # the graph steps uncaptured, as the CPU tests run them
+        from o3edge.engine.router_graph import RouterDecodeGraphs as Graphs
+
+        eng.runner.graphs = Graphs(eng.runner, a.batch, capture=False, launch_ahead=True)
+    eng.runner.graphs.launch_ahead = a.trace
     g = torch.Generator().manual_seed(0)
     for i in range(a.batch):
         ids = torch.randint(1, eng.info.args.vocab_size, (a.context,), generator=g).tolist()
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
     while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
+    if a.trace:
+        out = trace(eng, a)
+        print(json.dumps(out, indent=1))
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+        return
     timed(RouterDecodeGraphs, "_step", "graph step (replay)")
     timed(KVRouter, "observed_in_graph", "observation's books")
     timed(KVRouter, "prepare_routing", "routing's saliency read (prepare_routing)")
