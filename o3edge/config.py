@@ -43,7 +43,7 @@ class O3Config:
     sink_tokens: int = 4  # first tokens: always full precision
     recent_tokens: int = 128  # last tokens: always full precision
     router_refresh_steps: int = 16  # decode steps between routing passes
-    router_cuda_graphs: bool = False  # router decode steps in CUDA graphs (router_graph.py; speed not yet measured)
+    router_cuda_graphs: bool = True  # router on, on CUDA: decode steps in CUDA graphs (router_graph.py)
     max_model_len: int | None = None  # None: the checkpoint's, capped at 4096
     max_num_seqs: int = 32  # sequences in the running batch
     max_num_batched_tokens: int = 2048  # prefill tokens per engine step (the chunk budget)
