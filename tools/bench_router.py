@@ -320,8 +320,8 @@ def gpu_prompts(path: str, a, vocab: int):
     # held-out stdlib docstrings: every machine has them (the documentation sources are an extra package)
     for text in reference_corpus.split(reference_corpus.load(None, ("stdlib",)))[2].values():
         ids += tok.encode(text, add_special_tokens=False)
-    stride = max(1, len(ids) // n)
-    windows = [(ids * (1 + length // len(ids) + 1))[i * stride:i * stride + length] for i in range(n)]
+    stride, text = max(1, len(ids) // n), ids * (length // len(ids) + 2)  # wrapped round once, for every window
+    windows = [text[i * stride:i * stride + length] for i in range(n)]
     return windows[:a.batch], [w[:256] for w in windows[a.batch:]]
 
 
@@ -336,6 +336,8 @@ def gpu(a) -> dict:
         path = os.path.join(a.workdir, a.shape)
         if not os.path.exists(os.path.join(path, "config.json")):
             make_checkpoint(path, **SHAPES[a.shape])
+    with open(os.path.join(path, "config.json")) as fh:  # the same prompts for every setting, made once
+        prompts, warm = gpu_prompts(path, a, json.load(fh)["vocab_size"])
     rows = {}
     # blocks for the whole batch at full precision, plus a tenth: the router's scale tables come out of
     # the same budget, and a setting that demotes nothing (random weights) must not preempt either
@@ -349,7 +351,6 @@ def gpu(a) -> dict:
         eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, router_cuda_graphs=graphs,
                      num_kv_blocks=budget,
                      max_num_seqs=a.batch, max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
-        prompts, warm = gpu_prompts(path, a, eng.info.args.vocab_size)
         for i, ids in enumerate(warm):  # a short generation first: the first refresh step's kernels load
             eng.add_request(f"warm-up {i}", ids, SamplingParams(max_new_tokens=40, ignore_eos=True))
         while eng.has_unfinished_requests():
@@ -376,7 +377,8 @@ def gpu(a) -> dict:
         rows[name] = {"decode_tokens_per_s": round(n / dt, 1), "decode_tokens": n,
                       "kv_bytes_per_token": st.get("kv_bytes_per_token"),
                       "compressed_share": st.get("kv_tokens_compressed_share", 0.0),
-                      "preemptions": st.get("preemptions"), "blocks_demoted_in_decode": getattr(eng.blocks, "num_demoted", 0) - demoted,
+                      "preemptions": st.get("preemptions"),
+                      "blocks_demoted_in_decode": getattr(eng.blocks, "num_demoted", 0) - demoted,
                       "steps": len(steps), "step_ms_p50": round(q[0], 3),
                       "step_ms_p90": round(q[1], 3), "step_ms_p99": round(q[2], 3), "step_ms_max": round(max(steps), 3),
                       "step_ms_sum_top_16th": round(sum(sorted(steps)[-max(1, len(steps) // 16):]), 2)}

@@ -491,7 +491,7 @@ class KVRouter:
         q_pos = torch.arange(end - w, end)
         ctx = end
         seen = (torch.arange(ctx)[None, :] <= q_pos[:, None]).sum(0).double()
-        self.books.count[part.row, :ctx] += seen.to(self.device)
+        self.books.count[part.row, :ctx] += on_device(seen, self.device)
 
     # ---- figures ---------------------------------------------------------------------------
     def stats(self, blocks) -> dict:
