@@ -42,7 +42,7 @@ class O3Config:
     router_threshold: float = 0.85  # share of attention saliency whose tokens keep full-precision KV
     sink_tokens: int = 4  # first tokens: always full precision
     recent_tokens: int = 128  # last tokens: always full precision
-    router_refresh_steps: int = 16  # decode steps between routing passes
+    router_refresh_steps: int = 32  # decode steps between routing passes (docs/kv-cache.md: why 32)
     router_cuda_graphs: bool = True  # router on, on CUDA: decode steps in CUDA graphs (router_graph.py)
     max_model_len: int | None = None  # None: the checkpoint's, capped at 4096
     max_num_seqs: int = 32  # sequences in the running batch

@@ -147,7 +147,7 @@ class KVSettings:
     router_threshold: float = 0.85
     sink_tokens: int = 4
     recent_tokens: int = 128
-    router_refresh_steps: int = 16
+    router_refresh_steps: int = 32
 
     def __post_init__(self):
         if self.cold_tier_mb < 0:

@@ -40,13 +40,14 @@ end), so a run cut short keeps the settings it finished.
 GPU speed (--gpu): decode tokens/s at --context tokens and --batch sequences, random weights of --shape,
 bf16: `off` on the CUDA-graph decode step and the compressed settings with router_cuda_graphs
 (router_graph.py: every decode step in CUDA graphs, refresh steps in their observing graphs; --eager
-adds every setting without graphs), with each setting's KV bytes per token and compressed share from
-the engine's stats, and the wall time of each engine step (percentiles, and the sum of the slowest
-sixteenth: the refresh steps, one in 16 by default). --floor adds `router-unobserved` there: the
-router's step with nothing compressed and nothing observed. On random weights attention is flat, so the
-router keeps every token and reads as many bytes as `off`; `--shape model` runs --model's checkpoint (the
-built-in long-context reference model by default: 4,096 positions) on held-out stdlib docstrings instead,
-where the router compresses what its attention passes over:
+adds every setting without graphs), with each setting's KV bytes per token and compressed share from the
+engine's stats, and the wall time of each engine step (percentiles, and the sum of the slowest
+sixteenth: the refresh steps, one in 32 by default, and the steps after them). --floor adds
+`router-unobserved` there: the router's step with nothing compressed and nothing observed. On random
+weights attention is flat, so the router keeps every token and reads as many bytes as `off`; `--shape
+model` runs --model's checkpoint (the built-in long-context reference model by default: 4,096
+positions) on held-out stdlib docstrings instead, where the router compresses what its attention passes
+over:
 
   python tools/bench_router.py --gpu --shape model --context 3840 --batch 16 --json ...
 """
@@ -494,6 +495,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
                     help="quality, --capacity: the engine's dtype (weights, activations, full-precision KV)")
     ap.add_argument("--tuned", action="store_true", help="also the router with threshold 0.5 and 32 recent tokens")
+    ap.add_argument("--refresh-steps", type=int, default=0,
+                    help="also the routers refreshing every N decode steps (router-int8-refreshN, -int4-refreshN)")
     ap.add_argument("--floor", action="store_true",
                     help="also router-keep-all: the router's path, nothing compressed (the path's own distance from off)")
     ap.add_argument("--capacity", action="store_true", help="sequences at once in a fixed KV budget (on --device)")
@@ -515,6 +518,10 @@ def main(argv=None):
     torch.manual_seed(0)
     if a.tuned:
         SETTINGS.update(TUNED)
+    if a.refresh_steps:
+        SETTINGS.update({f"router-{kv}-refresh{a.refresh_steps}": dict(kv_router=kv,
+                                                                        router_refresh_steps=a.refresh_steps)
+                         for kv in ("int8", "int4")})
     if a.floor:
         SETTINGS.update(FLOOR)
         if a.gpu:

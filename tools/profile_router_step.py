@@ -11,10 +11,12 @@ synchronizes the device before and after it, so the parts do not overlap as they
 
 With --trace the steps run as in a normal run (launched ahead, no timers) under torch.profiler, and each
 engine step reports how long the GPU sat idle while the host was in that step (what the host's work
-left it waiting for), by kind: refresh steps, the step after each, the others; and the host operations
-with the most time of their own in the refresh steps. `TRITON_INTERPRET=1 ... --trace --device cpu --shape
-tiny --context 64 --batch 2 --steps 20` runs it on the CPU (Triton's interpreter: no GPU figures, a check
-that it runs).
+left it waiting for), by kind: refresh steps, the step after each, the others; the host operations with
+the most time of their own in each kind of step; and the GPU's time a decode step by kernel over the whole
+run (a refresh step's own kernels count once in 16 steps). `--setting off` traces full precision's steps
+for comparison. `TRITON_INTERPRET=1 ... --trace --device cpu --shape tiny --context 64 --batch 2 --steps 20`
+runs it on the CPU (Triton's interpreter: no GPU figures, a check that it runs). `--shape model` runs the
+built-in long-context reference model (or --model) on held-out stdlib docstrings, as bench_router.py does.
 """
 
 from __future__ import annotations
@@ -76,13 +78,19 @@ def trace(eng, a) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = a.device == "cuda"
+    from o3edge.engine.cuda_graph import DecodeGraphs
+    from o3edge.engine.router_blocks import RouterBlocks
+    from o3edge.engine.scheduler import Scheduler
+
     for cls, name in ((RouterDecodeGraphs, "_ran"), (KVRouter, "observed_in_graph"), (KVRouter, "prepare_routing"),
-                      (KVRouter, "end_step"), (KVRouter, "flush_moves")):
+                      (KVRouter, "end_step"), (KVRouter, "flush_moves"), (DecodeGraphs, "run"),
+                      (DecodeGraphs, "fill_meta"), (RouterDecodeGraphs, "fill_meta"), (Scheduler, "schedule"),
+                      (RouterBlocks, "mark_computed")):
         labelled(cls, name)  # their host time of their own shows under their names
-    kinds = []
+    kinds, router = [], eng.runner.router
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         while eng.has_unfinished_requests():
-            refresh = eng.runner.router.observing_now()
+            refresh = router is not None and router.observing_now()
             with record_function(f"engine step {len(kinds)}"):
                 eng.step()
             kinds.append("refresh" if refresh else "after refresh" if kinds and kinds[-1] == "refresh" else "other")
@@ -94,7 +102,7 @@ def trace(eng, a) -> dict:
     gpu = sorted((e.time_range.start, e.time_range.end) for e in events
                  if e.device_type == torch.autograd.DeviceType.CUDA)
     rows = collections.defaultdict(lambda: collections.defaultdict(list))
-    host_ops: collections.Counter = collections.Counter()
+    host_ops: dict = collections.defaultdict(collections.Counter)
     starts = [k0 for k0, _ in gpu]
     for start, end, i in windows:
         busy, last = 0.0, start
@@ -106,24 +114,36 @@ def trace(eng, a) -> dict:
                 busy, last = busy + hi - lo, hi
         rows[kinds[i]]["wall_ms"].append((end - start) / 1e3)
         rows[kinds[i]]["gpu_idle_ms"].append((end - start - busy) / 1e3)
-        if kinds[i] == "refresh":
-            for e in events:
-                if (e.device_type == torch.autograd.DeviceType.CPU and start <= e.time_range.start < end
-                        and not e.name.startswith("engine step ")):
-                    host_ops[e.name] += e.self_cpu_time_total / 1e3
-    n_refresh = max(1, kinds.count("refresh"))
+    host = sorted((e.time_range.start, e.name, e.self_cpu_time_total) for e in events
+                  if e.device_type == torch.autograd.DeviceType.CPU and not e.name.startswith("engine step "))
+    host_starts = [t for t, _, _ in host]
+    for start, end, i in windows:  # each step's host operations, by their own time
+        for _, name, own in host[bisect.bisect_left(host_starts, start):bisect.bisect_left(host_starts, end)]:
+            host_ops[kinds[i]][name] += own / 1e3
+    kernels: dict = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:  # GPU time by kernel over the whole decode (refresh steps' own kernels run once in 16)
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name][0] += 1
+            kernels[e.name][1] += (e.time_range.end - e.time_range.start) / 1e3
+    n_steps = {kind: max(1, kinds.count(kind)) for kind in set(kinds)}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:20]
     return {"setting": a.setting, "shape": a.shape, "context": a.context, "batch": a.batch, "device": a.device,
             "launch_ahead": True, "steps": len(kinds),
             "steps_launched_ahead": eng.runner.graphs.num_ahead_taken,
             "by_kind_median_ms": {kind: {**{k: round(statistics.median(v), 3) for k, v in r.items()},
                                          "n": len(r["wall_ms"])} for kind, r in rows.items()},
-            "refresh_host_ops_ms_per_step": {name: round(ms / n_refresh, 3) for name, ms in host_ops.most_common(15)}}
+            "host_ops_ms_per_step": {kind: {name: round(ms / n_steps[kind], 3) for name, ms in ops.most_common(15)}
+                                     for kind, ops in host_ops.items()},
+            "gpu_kernels_per_decode_step": {name[:90]: {"calls": round(n / len(kinds), 2),
+                                                        "ms": round(ms / len(kinds), 4)} for name, (n, ms) in top},
+            "gpu_ms_per_decode_step": round(sum(ms for _, ms in kernels.values()) / len(kinds), 3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setting", default="router-int8")
-    ap.add_argument("--shape", default="llama-1b")
+    ap.add_argument("--shape", default="llama-1b", help="a make_tiny_model.py shape, or model: --model's checkpoint")
+    ap.add_argument("--model", default=None, help="--shape model: checkpoint (default: the built-in reference model)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=128)
@@ -132,15 +152,21 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="launch ahead on, no timers: the GPU's idle time by step")
     ap.add_argument("--device", default="cuda", help="--trace: cuda, or cpu for a check under the interpreter")
     a = ap.parse_args()
-    if a.setting == "off":  # no router: its steps are DecodeGraphs' (tools/bench_router.py --gpu times them)
+    if a.setting == "off" and not a.trace:  # no router: its steps are DecodeGraphs' (bench_router.py --gpu times them)
         ap.error("--setting: a router setting (router-int8, router-int4, ...); off has no router steps")
     from make_tiny_model import SHAPES
 
+    from o3edge.model_path import resolve_model_path
     from o3edge.tiny import make_checkpoint
 
-    path = os.path.join(a.workdir, a.shape)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        make_checkpoint(path, **SHAPES[a.shape])
+    if a.shape == "model":  # a trained checkpoint on held-out docstrings, as bench_router.py --gpu --shape model
+        path = resolve_model_path(a.model)
+    else:
+        path = os.path.join(a.workdir, a.shape)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            make_checkpoint(path, **SHAPES[a.shape])
+    with open(os.path.join(path, "config.json")) as fh:
+        prompts, _ = bench_router.gpu_prompts(path, a, json.load(fh)["vocab_size"])
     bench_router.SETTINGS.update(bench_router.FLOOR_GPU)
     budget = (a.batch * (a.context + a.steps + 64) // 32 + 8) * 11 // 10
     dtype = "bfloat16" if a.device == "cuda" else "float32"
@@ -148,13 +174,12 @@ def main() -> None:
                               num_kv_blocks=budget, max_num_seqs=a.batch,
                               max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
     if a.device != "cuda":  # the graph steps uncaptured, as the CPU tests run them
-        from o3edge.engine.router_graph import RouterDecodeGraphs as Graphs
+        from o3edge.engine.cuda_graph import DecodeGraphs
 
+        Graphs = RouterDecodeGraphs if eng.runner.router is not None else DecodeGraphs
         eng.runner.graphs = Graphs(eng.runner, a.batch, capture=False, launch_ahead=True)
     eng.runner.graphs.launch_ahead = a.trace
-    g = torch.Generator().manual_seed(0)
-    for i in range(a.batch):
-        ids = torch.randint(1, eng.info.args.vocab_size, (a.context,), generator=g).tolist()
+    for i, ids in enumerate(prompts):
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
     while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()

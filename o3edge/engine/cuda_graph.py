@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from o3edge.engine.decode_step import decode_forward
@@ -43,6 +44,10 @@ def buckets(limit: int, start: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [limit]
+
+
+def _int32(entries: list[int]) -> np.ndarray:
+    return np.asarray(entries, dtype=np.int32)
 
 
 def capture_graphs(sizes: list[int], forward, what: str) -> dict:
@@ -109,6 +114,7 @@ class DecodeGraphs:
         self.num_selects = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.ahead: list[tuple[int, int, int]] | None = None  # (seq_id, position, token) of the queued step
+        self.memo: dict[int, tuple] = {}  # seq_id -> (its table entries, what fill_meta made of them: cached)
         self.num_steps = self.num_ahead_taken = 0
 
     def meta_columns(self) -> int:
@@ -148,6 +154,19 @@ class DecodeGraphs:
             return logits, out
         return self._forward(B)
 
+    def cached(self, seq_id: int, entries: list[int], make):
+        """make(entries) for a sequence's block-table entries, made again only when they changed since its
+        last step (a table changes once a block, not once a token): turning a list of block ids into an
+        array row every step was most of the host's metadata work (tools/profile_router_step.py --trace)."""
+        hit = self.memo.get(seq_id)
+        if hit is not None and hit[0] == entries:
+            return hit[1]
+        if len(self.memo) > 4 * self.batch_buckets[-1]:  # sequences that ended: forgotten now and then
+            self.memo.clear()
+        value = make(entries)
+        self.memo[seq_id] = (entries, value)
+        return value
+
     def fill_meta(self, meta, batch, B: int, ahead: int) -> None:
         """Rows of a step's host metadata (numpy) for batch, then padding rows up to bucket B."""
         bs = self.block_size
@@ -156,7 +175,7 @@ class DecodeGraphs:
             table = seq.block_table
             meta[b, 0], meta[b, 1] = (0 if ahead else seq.token_ids[pos]), pos
             meta[b, 2] = table[pos // bs] * bs + pos % bs
-            meta[b, 3:3 + len(table)] = table
+            meta[b, 3:3 + len(table)] = self.cached(seq.seq_id, list(table), _int32)
         meta[len(batch):B, :3] = (0, 0, self.runner.scratch_slot)  # padding rows: scratch slot, self only
 
     def _continues(self, batch) -> bool:

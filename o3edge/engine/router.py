@@ -61,7 +61,7 @@ class RouterConfig:
     threshold: float = 0.85  # share of saliency the kept tokens cover
     sink_tokens: int = 4  # the first tokens: always full precision
     recent_tokens: int = 128  # the last tokens: always full precision
-    refresh_steps: int = 16  # decode steps between routing passes
+    refresh_steps: int = 32  # decode steps between routing passes
     obs_window: int = 32  # prompt queries observed at prefill
 
 
