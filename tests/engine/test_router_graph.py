@@ -125,3 +125,48 @@ def test_router_decode_in_cuda_graphs_matches_eager(tiny_dir, mode, observe_spli
         assert (runner.graphs is not None and runner.graphs.num_steps > 20) == graphs
         assert m.engine.blocks.num_demoted > 0
     assert outs[0] == outs[1]
+
+
+def test_step_metadata_follows_the_block_tables_it_was_made_from(tiny_dir):
+    """A sequence's metadata row is made again when its table changes (fill_meta keeps the rows of
+    unchanged tables): after a demotion and after a new block, the row holds the tables as they are
+    then, full-precision blocks in one table and compressed ones in the other."""
+    import numpy as np
+
+    m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router="int8", **ROUTED))
+    eng, runner = m.engine, m.engine.runner
+    graphs = RouterDecodeGraphs(runner, 2, capture=False)
+    seqs = [Sequence(str(i), eng.encode(PROMPT + f"Module {i}?"), SamplingParams(max_new_tokens=64))
+            for i in range(2)]
+    for seq in seqs:
+        eng.blocks.allocate(seq, reuse=False)
+        seq.num_computed_tokens = len(seq) - 1
+    batch, nf, mb, bs = [(s, 1) for s in seqs], runner.router.num_full_blocks, graphs.max_blocks, graphs.block_size
+
+    def expected_rows():
+        meta = np.zeros((2, graphs.meta_columns()), dtype=np.int32)
+        for b, (seq, _) in enumerate(batch):
+            table = seq.block_table[:seq.num_computed_tokens // bs + 1]
+            full, comp = [x for x in table if x < nf], [x - nf for x in table if x >= nf]
+            meta[b, 3:5] = seq.num_computed_tokens - len(comp) * bs, len(comp)
+            meta[b, 5:5 + len(full)], meta[b, 5 + mb:5 + mb + len(comp)] = full, comp
+        return meta[:, 3:]
+
+    def rows():
+        meta = np.zeros((2, graphs.meta_columns()), dtype=np.int32)
+        graphs.fill_meta(meta, batch, 2, 0)
+        return meta[:, 3:]
+
+    np.testing.assert_array_equal(rows(), expected_rows())
+    eng.blocks.demoter = runner.router
+    assert eng.blocks.demote(seqs[0], 1)  # block 1 of the first sequence moves to the compressed pool
+    runner.router.flush_moves()
+    np.testing.assert_array_equal(rows(), expected_rows())
+    assert rows()[0, 1] == 1  # one compressed block
+    blocks = len(seqs[1].block_table)
+    while len(seqs[1].block_table) == blocks:  # the second sequence decodes into a new block
+        seqs[1].token_ids.append(1)
+        seqs[1].num_computed_tokens += 1
+        eng.blocks.append_slot(seqs[1])
+    np.testing.assert_array_equal(rows(), expected_rows())
+    assert rows()[1, 2 + len(seqs[1].block_table) - 1] == seqs[1].block_table[-1]  # the new block, in the row
