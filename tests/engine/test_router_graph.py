@@ -23,14 +23,19 @@ def advance(eng, batch, tokens):
     return [(seq, 1) for seq, _ in batch]
 
 
-def test_graph_step_equals_the_eager_router_step(tiny_dir, mode="int4"):  # int4: the rotations too
+def two_prompts(tiny_dir, mode: str):
+    """(engine, runner, uncaptured router graphs, two sequences holding their prompts' blocks)."""
     m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router=mode, **ROUTED))
     eng, runner = m.engine, m.engine.runner
-    graphs = RouterDecodeGraphs(runner, 2, capture=False)
     seqs = [Sequence(str(i), eng.encode(PROMPT + f"Module {i}?"), SamplingParams(max_new_tokens=64))
             for i in range(2)]
     for seq in seqs:
         eng.blocks.allocate(seq, reuse=False)
+    return eng, runner, RouterDecodeGraphs(runner, 2, capture=False), seqs
+
+
+def test_graph_step_equals_the_eager_router_step(tiny_dir, mode="int4"):  # int4: the rotations too
+    eng, runner, graphs, seqs = two_prompts(tiny_dir, mode)
     batch, compared = [(s, len(s)) for s in seqs], 0
     for _ in range(10):
         if not runner.router.needs_eager(batch) and not runner.router.observing_now():
@@ -133,13 +138,8 @@ def test_step_metadata_follows_the_block_tables_it_was_made_from(tiny_dir):
     then, full-precision blocks in one table and compressed ones in the other."""
     import numpy as np
 
-    m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router="int8", **ROUTED))
-    eng, runner = m.engine, m.engine.runner
-    graphs = RouterDecodeGraphs(runner, 2, capture=False)
-    seqs = [Sequence(str(i), eng.encode(PROMPT + f"Module {i}?"), SamplingParams(max_new_tokens=64))
-            for i in range(2)]
+    eng, runner, graphs, seqs = two_prompts(tiny_dir, "int8")
     for seq in seqs:
-        eng.blocks.allocate(seq, reuse=False)
         seq.num_computed_tokens = len(seq) - 1
     batch, nf, mb, bs = [(s, 1) for s in seqs], runner.router.num_full_blocks, graphs.max_blocks, graphs.block_size
 
