@@ -29,7 +29,6 @@ import pstats
 import statistics
 import sys
 import time
-import types
 
 import torch
 
@@ -39,10 +38,7 @@ sys.path.insert(0, os.path.dirname(TOOLS))
 
 import bench_router  # noqa: E402
 
-from o3edge.engine.cuda_graph import DecodeGraphs  # noqa: E402
-from o3edge.engine.router_graph import RouterDecodeGraphs  # noqa: E402
 from o3edge.engine.sequence import SamplingParams  # noqa: E402
-from o3edge.model_path import resolve_model_path  # noqa: E402
 
 TOKEN = 300  # the token every stubbed step returns: an ordinary one (a special token decodes to nothing)
 
@@ -61,25 +57,17 @@ class StubModel(torch.nn.Module):
 
 
 def engine_with_stubs(a):
-    path = resolve_model_path(None)
-    with open(os.path.join(path, "config.json")) as fh:
-        vocab = json.load(fh)["vocab_size"]
-    prompts, _ = bench_router.gpu_prompts(path, types.SimpleNamespace(batch=a.batch, context=a.context,
-                                                                       shape="model"), vocab)
-    budget = (a.batch * (a.context + a.steps + 64) // 32 + 8) * 11 // 10
-    eng = bench_router.engine(path, a.setting, "cpu", "float32", 1, cuda_graphs=True, router_cuda_graphs=True,
-                              num_kv_blocks=budget, max_num_seqs=a.batch, max_model_len=a.context + a.steps + 64,
-                              max_num_batched_tokens=a.context)
-    runner = eng.runner
-    runner.model = StubModel(vocab)
-    graphs_cls = RouterDecodeGraphs if runner.router is not None else DecodeGraphs
-    graphs = graphs_cls(runner, a.batch, capture=False, launch_ahead=True)
+    path, prompts, _ = bench_router.decode_checkpoint(a)
+    eng = bench_router.decode_engine(path, a.setting, "cpu", "float32", 1, a, cuda_graphs=True,
+                                     router_cuda_graphs=True)
+    vocab = eng.info.args.vocab_size
+    eng.runner.model = StubModel(vocab)
+    graphs = bench_router.uncaptured_graphs(eng, a.batch)
 
     def forward(B: int, observe: bool = False):  # the graph step's outputs: logits and greedy tokens
         return torch.zeros(B, vocab), torch.full((B,), TOKEN, dtype=torch.long)
 
     graphs._forward = forward
-    runner.graphs = graphs
     return eng, prompts
 
 
@@ -114,6 +102,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the decode steps of the last repeat")
     ap.add_argument("--json")
     a = ap.parse_args()
+    a.shape, a.model = "model", None  # the built-in long-context reference model (decode_checkpoint)
     torch.set_num_threads(1)
     runs = []
     for i in range(a.repeat):

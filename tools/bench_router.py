@@ -326,32 +326,54 @@ def gpu_prompts(path: str, a, vocab: int):
     return windows[:a.batch], [w[:256] for w in windows[a.batch:]]
 
 
-def gpu(a) -> dict:
+def decode_checkpoint(a) -> tuple[str, list, list]:
+    """(checkpoint, prompts, warm-up prompts) of a decode run (--gpu, and the tools that profile its steps):
+    --shape's random weights (made in --workdir once), or with --shape model --model's checkpoint (default:
+    the built-in reference model); gpu_prompts' prompts for it."""
     from make_tiny_model import SHAPES
 
     from o3edge.tiny import make_checkpoint
 
-    if a.shape == "model":  # a trained checkpoint (--model; default: the built-in reference model)
+    if a.shape == "model":
         path = resolve_model_path(a.model)
     else:
         path = os.path.join(a.workdir, a.shape)
         if not os.path.exists(os.path.join(path, "config.json")):
             make_checkpoint(path, **SHAPES[a.shape])
-    with open(os.path.join(path, "config.json")) as fh:  # the same prompts for every setting, made once
-        prompts, warm = gpu_prompts(path, a, json.load(fh)["vocab_size"])
-    rows = {}
-    # blocks for the whole batch at full precision, plus a tenth: the router's scale tables come out of
-    # the same budget, and a setting that demotes nothing (random weights) must not preempt either
+    with open(os.path.join(path, "config.json")) as fh:
+        return (path, *gpu_prompts(path, a, json.load(fh)["vocab_size"]))
+
+
+def decode_engine(path: str, label: str, device: str, dtype: str, threads: int | None, a, **kw) -> LLMEngine:
+    """An engine for --batch sequences of --context tokens and --steps new ones: blocks for the whole batch
+    at full precision, plus a tenth (the router's scale tables come out of the same budget, and a setting
+    that demotes nothing, on random weights, must not preempt either)."""
     budget = (a.batch * (a.context + a.steps + 64) // 32 + 8) * 11 // 10
+    return engine(path, label, device, dtype, threads, num_kv_blocks=budget, max_num_seqs=a.batch,
+                  max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context, **kw)
+
+
+def uncaptured_graphs(eng: LLMEngine, batch: int):
+    """Give eng the decode graph steps uncaptured, launched ahead (as the CPU tests run them): the
+    router's when it has one. Returns them."""
+    from o3edge.engine.cuda_graph import DecodeGraphs
+    from o3edge.engine.router_graph import RouterDecodeGraphs
+
+    graphs_cls = RouterDecodeGraphs if eng.runner.router is not None else DecodeGraphs
+    eng.runner.graphs = graphs_cls(eng.runner, batch, capture=False, launch_ahead=True)
+    return eng.runner.graphs
+
+
+def gpu(a) -> dict:
+    path, prompts, warm = decode_checkpoint(a)  # the same prompts for every setting, made once
+    rows = {}
     labels = [x for x in labels_of(a) if x != "off"]
     runs = [("off (CUDA graphs)", "off", True)]
     runs += [(f"{label} (CUDA graphs)", label, True) for label in labels]
     if a.eager:
         runs += [("off (eager)", "off", False)] + [(label, label, False) for label in labels]
     for name, label, graphs in runs:
-        eng = engine(path, label, "cuda", "bfloat16", None, cuda_graphs=graphs, router_cuda_graphs=graphs,
-                     num_kv_blocks=budget,
-                     max_num_seqs=a.batch, max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
+        eng = decode_engine(path, label, "cuda", "bfloat16", None, a, cuda_graphs=graphs, router_cuda_graphs=graphs)
         for i, ids in enumerate(warm):  # a short generation first: the first refresh step's kernels load
             eng.add_request(f"warm-up {i}", ids, SamplingParams(max_new_tokens=40, ignore_eos=True))
         while eng.has_unfinished_requests():

@@ -154,30 +154,13 @@ def main() -> None:
     a = ap.parse_args()
     if a.setting == "off" and not a.trace:  # no router: its steps are DecodeGraphs' (bench_router.py --gpu times them)
         ap.error("--setting: a router setting (router-int8, router-int4, ...); off has no router steps")
-    from make_tiny_model import SHAPES
-
-    from o3edge.model_path import resolve_model_path
-    from o3edge.tiny import make_checkpoint
-
-    if a.shape == "model":  # a trained checkpoint on held-out docstrings, as bench_router.py --gpu --shape model
-        path = resolve_model_path(a.model)
-    else:
-        path = os.path.join(a.workdir, a.shape)
-        if not os.path.exists(os.path.join(path, "config.json")):
-            make_checkpoint(path, **SHAPES[a.shape])
-    with open(os.path.join(path, "config.json")) as fh:
-        prompts, _ = bench_router.gpu_prompts(path, a, json.load(fh)["vocab_size"])
+    path, prompts, _ = bench_router.decode_checkpoint(a)  # as bench_router.py --gpu makes them
     bench_router.SETTINGS.update(bench_router.FLOOR_GPU)
-    budget = (a.batch * (a.context + a.steps + 64) // 32 + 8) * 11 // 10
     dtype = "bfloat16" if a.device == "cuda" else "float32"
-    eng = bench_router.engine(path, a.setting, a.device, dtype, None, cuda_graphs=True, router_cuda_graphs=True,
-                              num_kv_blocks=budget, max_num_seqs=a.batch,
-                              max_model_len=a.context + a.steps + 64, max_num_batched_tokens=a.context)
-    if a.device != "cuda":  # the graph steps uncaptured, as the CPU tests run them
-        from o3edge.engine.cuda_graph import DecodeGraphs
-
-        Graphs = RouterDecodeGraphs if eng.runner.router is not None else DecodeGraphs
-        eng.runner.graphs = Graphs(eng.runner, a.batch, capture=False, launch_ahead=True)
+    eng = bench_router.decode_engine(path, a.setting, a.device, dtype, None, a, cuda_graphs=True,
+                                     router_cuda_graphs=True)
+    if a.device != "cuda":
+        bench_router.uncaptured_graphs(eng, a.batch)
     eng.runner.graphs.launch_ahead = a.trace
     for i, ids in enumerate(prompts):
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
