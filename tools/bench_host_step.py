@@ -11,7 +11,7 @@ over the decode, and with --profile the functions that take it (py-spy's raw sta
 installed, are better: cProfile slows small functions most).
 
   python tools/bench_host_step.py [--setting off|router-int8|...] [--batch 16] [--context 3072] [--steps 512]
-                                  [--repeat 3] [--profile]
+                                  [--repeat 3] [--profile] [--window-detok]
 
 Prompts are held-out stdlib docstrings on the built-in long-context reference model (the same as
 `tools/bench_router.py --gpu --shape model`). With the forward stubbed no attention is observed, so a
@@ -100,8 +100,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile the decode steps of the last repeat")
+    ap.add_argument("--window-detok", action="store_true",
+                    help="detokenize by two window decodes a token (tokenizers < 0.21's way), not DecodeStream")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.window_detok:
+        import o3edge.engine.tokenizer
+
+        o3edge.engine.tokenizer.DecodeStream = None
     a.shape, a.model = "model", None  # the built-in long-context reference model (decode_checkpoint)
     torch.set_num_threads(1)
     runs = []
@@ -111,7 +117,7 @@ def main() -> None:
         print(f"{a.setting}: {runs[-1]}", flush=True)
         if prof is not None:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
-    out = {"setting": a.setting, "batch": a.batch, "context": a.context, "steps": a.steps, "runs": runs,
+    out = {"setting": a.setting, "window_detok": a.window_detok, "batch": a.batch, "context": a.context, "steps": a.steps, "runs": runs,
            "median_ms": statistics.median(r["median_ms"] for r in runs)}
     print(f"{a.setting}: host step median {out['median_ms']:.3f} ms over {a.repeat} runs")
     if a.json:

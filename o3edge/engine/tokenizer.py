@@ -124,9 +124,10 @@ class Detokenizer:
     """Turns a stream of token ids into text deltas; holds back partial UTF-8 and partial stop strings.
 
     The text comes from the tokenizers library's incremental decoder (DecodeStream, tokenizers >= 0.21:
-    one call a token; with the stop check, 3.7 us a token against 5.1 for two decodes of a window on the
-    CPU machine, a host cost every decoding sequence pays every step); with an older library, from
-    decoding a window of ids twice (the text up to the last complete character, then with the new token)."""
+    one call a token, a host cost every decoding sequence pays every step: 16 sequences' decode step took
+    0.291-0.300 ms of host time against 0.310-0.322 with two window decodes a token on the CPU machine,
+    tools/bench_host_step.py [--window-detok]); with an older library, from decoding a window of ids
+    twice (the text up to the last complete character, then with the new token)."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer, self.stop = tokenizer, stop
