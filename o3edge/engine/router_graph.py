@@ -124,10 +124,11 @@ class RouterDecodeGraphs(DecodeGraphs):
 
     def _split(self, table: list[int]) -> tuple:
         """Table entries as (full-precision blocks, compressed blocks - num_full_blocks, the indices of
-        each in the table), numpy arrays. Made in Python for every sequence at every step, this took 0.34
-        ms a step on the CPU machine (16 tables of 122 blocks), as much as a whole graph step of a small
-        model on the H200 (tools/profile_router_step.py --trace); fill_meta makes them again only when a
-        sequence's entries changed (a new block, a demotion)."""
+        each in the table), numpy arrays. Made in Python for every sequence at every step, the router's
+        fill_meta took 0.33 ms a step on the CPU machine (16 tables of ~120 blocks; 0.09 ms now:
+        tools/bench_step_meta.py --against c62e0f1), as much as a whole graph step of a small model on the
+        H200 (tools/profile_router_step.py --trace); fill_meta makes them again only when a sequence's
+        entries changed (a new block, a demotion)."""
         nf, t = self.runner.router.num_full_blocks, np.asarray(table, dtype=np.int32)
         full = t < nf
         return t[full], t[~full] - nf, np.flatnonzero(full), np.flatnonzero(~full)
