@@ -13,8 +13,8 @@ long-running pool's are.
 Each case is timed as a CUDA graph of 50 calls replayed 10 times (µs a call, median of 5 replays), and
 its bytes (K/V read, codes and scales) over that time give GB/s. Without --grid, each case runs at
 the engine's planned tiling and splits (cuda_graph.attention_splits: eight programs per SM for the
-full-precision kernel, two for the router's, as router_graph.py plans them); with it, also over key splits
-and tilings, so a better plan shows up beside the planned one.
+full-precision kernel, at most four (INT8) or three (INT4) for the router's, as router_graph.py plans
+them); with it, also over key splits and tilings, so a better plan shows up beside the planned one.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-SHAPES = {"llama-1b": (32, 8, 64), "tinyllama-1.1b": (32, 4, 64), "qwen-1.5b": (12, 2, 128)}  # H, KVH, hd
+# H, KVH, hd; ref-long: the built-in long-context reference model (o3edge/models/o3edge-ref-long-int4)
+SHAPES = {"llama-1b": (32, 8, 64), "tinyllama-1.1b": (32, 4, 64), "qwen-1.5b": (12, 2, 128), "ref-long": (8, 2, 64)}
 
 
 def setup(case: str, B: int, ctx: int, H: int, KVH: int, hd: int, bs: int, dtype, device: str):
@@ -163,18 +164,19 @@ def main() -> None:
             plot(json.load(fh), a.plot)
         return
     from o3edge.engine.cuda_graph import DecodeGraphs, attention_splits
-    from o3edge.engine.router_graph import RouterDecodeGraphs
+    from o3edge.engine.router_graph import router_attention_per_sm
     from o3edge.engine.kernels import num_sms
 
     H, KVH, hd = SHAPES[a.shape]
     sms = num_sms("cuda")
     full_splits = attention_splits(a.batch, KVH, sms, DecodeGraphs.ATTENTION_PER_SM)
-    router_splits = attention_splits(a.batch, KVH, sms, RouterDecodeGraphs.ATTENTION_PER_SM)
+    router_splits = {mode: attention_splits(a.batch, KVH, sms, router_attention_per_sm(mode), True)
+                     for mode in ("int8", "int4")}
     result = dict(shape=a.shape, batch=a.batch, context=a.context, block_size=a.block_size, dtype=a.dtype,
                   gpu=torch.cuda.get_device_name(), planned_splits=full_splits, router_splits=router_splits,
                   rows=[])
     for case in a.cases.split(","):
-        planned = full_splits if case == "off" else router_splits
+        planned = full_splits if case == "off" else router_splits[case.split("-")[0]]
         configs = [(planned, None)] + [(int(x), None) for x in (a.splits or "").split(",") if x]
         if a.configs and case != "off":
             configs += [(planned, tuple(c)) for c in json.loads(a.configs)]

@@ -27,14 +27,17 @@ log = logging.getLogger(__name__)
 MAX_SPLITS = 32
 
 
-def attention_splits(batch: int, kv_heads: int, num_sms: int, per_sm: int) -> int:
-    """Key-axis splits for a batch bucket: about per_sm programs per SM, one split once the batch fills the
-    SMs. Decode attention is bound by memory latency, so more programs keep more loads in flight: on the
-    H200, llama-1b at 16 sequences of 4,096 tokens (128 programs a split), a layer took 56.9 us at 3 splits
-    (two programs per SM, the rule before), 45.9 at 6 and 40.7 at 12 (tools/bench_attention.py,
-    docs/results/gpu-2026-12-01c/attn-grid.json)."""
+def attention_splits(batch: int, kv_heads: int, num_sms: int, per_sm: int, one_wave: bool = False) -> int:
+    """Key-axis splits for a batch bucket: about per_sm programs per SM (at most per_sm with one_wave), one
+    split once the batch fills the SMs. Decode attention is bound by memory latency, so more programs keep
+    more loads in flight: on the H200, llama-1b at 16 sequences of 4,096 tokens (128 programs a split), a
+    layer took 56.9 us at 3 splits (two programs per SM, the rule before), 45.9 at 6 and 40.7 at 12
+    (tools/bench_attention.py, docs/results/gpu-2026-12-01c/attn-grid.json)."""
     programs = batch * kv_heads
-    return 1 if programs >= num_sms else min(MAX_SPLITS, -(-per_sm * num_sms // programs))
+    if programs >= num_sms:
+        return 1
+    target = per_sm * num_sms
+    return max(1, min(MAX_SPLITS, target // programs if one_wave else -(-target // programs)))
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -95,8 +98,9 @@ class DecodeGraphs:
         # off CUDA the kernels run under Triton's interpreter (the CPU tests), one program after another:
         # one program per "SM" still splits the keys at batch 1 (2 splits with 2 KV heads), at an eighth of
         # the programs
-        per_sm = self.ATTENTION_PER_SM if dev.type == "cuda" else 1
-        self.splits = {b: attention_splits(b, runner.args.num_kv_heads, sms, per_sm) for b in self.batch_buckets}
+        per_sm, one_wave = self.attention_per_sm() if dev.type == "cuda" else (1, False)
+        self.splits = {b: attention_splits(b, runner.args.num_kv_heads, sms, per_sm, one_wave)
+                       for b in self.batch_buckets}
         pinned = dev.type == "cuda"
         width = self.meta_columns()
         self.meta = torch.zeros(B, width, dtype=torch.int32, device=dev)
@@ -116,6 +120,10 @@ class DecodeGraphs:
         self.ahead: list[tuple[int, int, int]] | None = None  # (seq_id, position, token) of the queued step
         self.memo: dict[int, tuple] = {}  # seq_id -> (its table entries, what fill_meta made of them: cached)
         self.num_steps = self.num_ahead_taken = 0
+
+    def attention_per_sm(self) -> tuple[int, bool]:
+        """(attention programs per SM the key splits aim for, whether that is a ceiling: attention_splits)."""
+        return self.ATTENTION_PER_SM, False
 
     def meta_columns(self) -> int:
         """Columns of a step's metadata row: token, position, slot, then the block table."""

@@ -256,6 +256,19 @@ class KVRouter:
         self.comp_bytes_per_token = L * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
         self.host_bytes = block_size * full_bytes_per_token + self.per_host * scale_bytes_per_block(
             L, kv_heads, block_size)
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run the routing's device operations once, at the lengths a sequence can reach, so that no step
+        pays for their first use. On CUDA torch sorts rows of up to 4,096 in one kernel and longer ones by
+        a segmented sort whose kernels load at their first call: on the H200 (llama-1b, 16 sequences
+        decoding past 4,096 tokens), the first refresh step there took 27-34 ms against ~3 for the next
+        ones (tools/bench_router.py --gpu, docs/results/gpu-2026-12-02c/router/)."""
+        if self.device.type != "cuda" or self.cfg.threshold <= 0:
+            return
+        for n in sorted({min(self.books.max_len, 4096), self.books.max_len}):
+            sal = torch.zeros(2, n, dtype=self.books.mass.dtype, device=self.device)
+            sealed_any(salient(sal, self.cfg.threshold), self.block_size)
 
     def is_compressed(self, block_id: int) -> bool:
         return block_id >= self.num_full_blocks

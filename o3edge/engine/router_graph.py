@@ -39,13 +39,20 @@ from o3edge.engine.decode_step import decode_forward
 from o3edge.engine.kernels.quant_attention import observe_splits
 
 
+def router_attention_per_sm(mode: str) -> int:
+    """Programs per SM that the two-pool kernel's key splits fill, as a ceiling: as many splits as fit in one
+    wave of the programs an SM holds at once (its code for sm_90 takes 128 registers a thread in INT8, four
+    programs of four warps an SM; 160 in INT4, three). On the H200 (tools/bench_attention.py --splits,
+    docs/results/gpu-2026-12-02c/attention/), llama-1b at 16 x 4,096 (128 programs a split): INT8 41.7 us
+    a layer at 4 splits, 45.8 at 3, 50.6 at 6; INT4 56.9 at 3, 62.6 at 4; the reference model at 16 x
+    3,840 (2 KV heads, 32 programs a split): INT8 12.8 at 16 splits, 20.3 at 9 (the rule before: two
+    programs per SM, rounded up), 15.4 at 32; INT4 18.7 at 12, 19.3 at 16, 23.0 at 9."""
+    return 3 if mode == "int4" else 4
+
+
 class RouterDecodeGraphs(DecodeGraphs):
     """DecodeGraphs for a router-on runner (runner.router is the KVRouter)."""
 
-    # two programs per SM: the two-pool kernel holds more registers, and on the H200 (llama-1b, 16
-    # sequences at 4,096 tokens) it ran faster in 3 key splits than in 9: uniform INT8 49.0 against 54.2
-    # us a layer, INT4 92.2 against 101.1 (tools/bench_attention.py, docs/results/gpu-2026-12-01c/)
-    ATTENTION_PER_SM = 2
 
     def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
         super().__init__(runner, max_batch, capture, launch_ahead)
@@ -56,6 +63,9 @@ class RouterDecodeGraphs(DecodeGraphs):
         if runner.router.observing:  # [bucket, KVH, 2, keys]: one observing step's probabilities
             self.mass = torch.zeros(self.batch_buckets[-1], runner.args.num_kv_heads, 2,
                                     self.max_blocks * self.block_size, dtype=torch.float32, device=runner.device)
+
+    def attention_per_sm(self) -> tuple[int, bool]:
+        return router_attention_per_sm(self.runner.router.cfg.mode), True
 
     def meta_columns(self) -> int:
         """token, position, slot, full-precision keys before the token, compressed blocks, then the

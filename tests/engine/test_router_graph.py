@@ -170,3 +170,23 @@ def test_step_metadata_follows_the_block_tables_it_was_made_from(tiny_dir):
         eng.blocks.append_slot(seqs[1])
     np.testing.assert_array_equal(rows(), expected_rows())
     assert rows()[1, 2 + len(seqs[1].block_table) - 1] == seqs[1].block_table[-1]  # the new block, in the row
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_router_key_splits_never_take_more_than_one_wave(mode):
+    """The two-pool kernel's key splits fill at most the programs an SM holds at once (router_graph.py),
+    where full precision's aim for eight a SM; one split once the batch alone fills the SMs."""
+    from o3edge.engine.cuda_graph import DecodeGraphs, attention_splits
+    from o3edge.engine.router_graph import router_attention_per_sm
+
+    per_sm, sms = router_attention_per_sm(mode), 132
+    for batch, kv_heads in [(1, 8), (4, 2), (16, 2), (16, 8), (8, 4), (64, 8), (3, 5)]:
+        splits = attention_splits(batch, kv_heads, sms, per_sm, one_wave=True)
+        programs = batch * kv_heads
+        assert splits >= 1 and (splits == 1 or splits * programs <= per_sm * sms)
+        assert programs >= sms or (splits + 1) * programs > per_sm * sms or splits == 32  # no fewer than fit
+        full = attention_splits(batch, kv_heads, sms, DecodeGraphs.ATTENTION_PER_SM)
+        assert full == 1 or full * programs >= DecodeGraphs.ATTENTION_PER_SM * sms or full == 32
+    # llama-1b and the reference model at 16 sequences, as measured on the H200
+    assert attention_splits(16, 8, sms, per_sm, one_wave=True) == {"int8": 4, "int4": 3}[mode]
+    assert attention_splits(16, 2, sms, per_sm, one_wave=True) == {"int8": 16, "int4": 12}[mode]

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""INT4 tiles of a few rows on the GPU: why 2-8 rows take longer than 16.
+
+For each INT4 layer of a decode step (gate/up, down, LM head; tinyllama-1.1b and llama-1b shapes) at
+--rows activation rows, times the skinny kernel (kernels/gemv.py, the planned tiling, op before not
+fused, as the decode step calls it above one row) in these ways:
+  default  as the engine calls it: M rows, M a runtime argument;
+  nospec   M never specialized (Triton treats an integer argument divisible by 16 as such: at 16 rows
+           `default` compiles another kernel than at 2-8);
+  pad16    the same M rows padded with zero rows to 16 (the kernel sees M = 16);
+  cublas   the same layer's dense weight on cuBLAS (F.linear), for scale.
+Each timing replays a CUDA graph over >= 512 MB of weight copies (tools/bench_gemv.py time_graph), so
+nothing is served from L2.
+
+  python tools/bench_gemv_rows.py [--rows 2,8,16] [--variants default,nospec,pad16,cublas] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tools.bench_gemv as bg  # noqa: E402
+from o3edge.engine.kernels import gemv  # noqa: E402
+
+VARIANTS = ("default", "nospec", "pad16", "cublas")
+
+
+def time_variant(case: bg.Case, variant: str) -> float | None:
+    """µs a call of one way of running case's layer (None: not applicable at case.M)."""
+    import triton
+
+    N, M = case.N, case.M
+    x = case.op(case.x)  # the op before runs as its own kernel above one row: outside the timing
+    if variant == "pad16":
+        if M >= 16:
+            return None
+        x = torch.cat([x, x.new_zeros(16 - M, x.shape[1])])
+    if variant == "cublas":
+        dense = torch.randn(N, x.shape[1], device="cuda", dtype=x.dtype)
+        copies = [dense.clone() for _ in range(max(1, bg.ROTATE_BYTES // dense.nbytes))]
+        return bg.time_graph(lambda w: F.linear(x, w), copies)
+    original = gemv._skinny_kernel
+    if variant == "nospec":
+        gemv._skinny_kernel = triton.jit(do_not_specialize=["M"])(original.fn)
+    try:
+        return bg.time_graph(lambda w: gemv.skinny_matmul(x, w[0], scales_and_zeros=w[1], group_size=bg.GROUP,
+                                                          out_features=N), case.weights)
+    finally:
+        gemv._skinny_kernel = original
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="llama-1b,tinyllama-1.1b")
+    ap.add_argument("--rows", default="2,8,16")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rows = []
+    for model in a.shapes.split(","):
+        for name, N, K, pro in bg.layers(model):
+            if name not in ("gate_up", "down", "lm_head"):
+                continue
+            for M in (int(r) for r in a.rows.split(",")):
+                case = bg.Case(N, K, pro, M, bg.MODELS[model][4], True)
+                for variant in a.variants.split(","):
+                    us = time_variant(case, variant)
+                    if us is None:
+                        continue
+                    rows.append(dict(model=model, layer=name, M=M, variant=variant, us=us))
+                    print(f"{model:15s} {name:8s} M={M:2d} {variant:8s} {us:7.1f} us", flush=True)
+                del case
+                torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
