@@ -299,6 +299,7 @@ class LLMEngine:
                                                config.recent_tokens, config.router_refresh_steps),
                                   config.max_num_seqs if graphs else 0)
         self.blocks.demoter = self.runner.router
+        self.runner.carry_out = self.blocks.carry_out
         log.info("token router: %s pool, threshold %.2f, %d sink and %d recent tokens full precision",
                  config.kv_router, config.router_threshold, config.sink_tokens, config.recent_tokens)
 

@@ -349,21 +349,21 @@ class KVRouter:
         return (self.step_no + 1 + ahead) % self.cfg.refresh_steps == 0
 
     def may_queue_next(self) -> bool:
-        """Whether the graph path may queue the next step behind this one: not when this step's end carries
-        out demotions (planned a step ago), since the next step must read the block tables they change."""
+        """Whether the graph path may queue the next step behind this one: not while demotions planned a step
+        ago wait (the next step must read the block tables they change; router_graph.py carries them out
+        first where it can)."""
         return not self.pending
 
     def end_step(self, batch) -> None:
         """Route the sequences whose prompt just ended, and the decoding ones due for a refresh: plan the
         demotions, which RouterBlocks.mark_computed carries out at the end of this step for a prompt and
         of the next step for a refresh (so that the graph path can queue that step before this routing is
-        done: router_graph.py). The demotions a refresh planned a step ago are due now."""
+        done; the graph path carries a refresh's out earlier in that next step, before it queues the one
+        after: router_graph.py). The demotions a refresh planned a step ago are due now."""
         routed = self._routed(batch)
         prepared, self.prepared = self.prepared, None
         self.step_no += 1
-        for seq_id, plan in self.pending.items():
-            self.plans[seq_id] = self.plans.get(seq_id, []) + plan
-        self.pending = {}
+        self.make_due()
         if not routed:
             return
         bs, nf = self.block_size, self.num_full_blocks
@@ -379,6 +379,14 @@ class KVRouter:
             if plan:  # a prompt's routing (an eager step, nothing queued behind it) is carried out now
                 books = self.plans if seq.num_output_tokens == 0 else self.pending
                 books[seq.seq_id] = [(i, table[i]) for i in plan]
+
+    def make_due(self) -> None:
+        """The demotions planned a step ago (a refresh's) become due: the block books carry them out next
+        (RouterBlocks.carry_out, at the end of this step or, on the graph path, before the next step is
+        queued: router_graph.py)."""
+        for seq_id, plan in self.pending.items():
+            self.plans[seq_id] = self.plans.get(seq_id, []) + plan
+        self.pending = {}
 
     def _routed(self, batch) -> list:
         """(seq, context, book row) of the sequences this step routes; their books start when their prompt

@@ -140,8 +140,11 @@ class RouterBlocks(BlockManager):
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Name the blocks this step filled, then carry out the router's demotions for seq."""
         super().mark_computed(seq, num_tokens)
-        if self.demoter is None:
-            return
+        if self.demoter is not None:
+            self.carry_out(seq)
+
+    def carry_out(self, seq: Sequence) -> None:
+        """The router's due demotions for seq (those of blocks still in its table where planned)."""
         for i, block_id in self.demoter.take_plan(seq.seq_id):
             if i < len(seq.block_table) and seq.block_table[i] == block_id:
                 self.demote(seq, i)

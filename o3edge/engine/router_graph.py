@@ -21,10 +21,11 @@ run eager.
 Steps are launched ahead as on the plain graph path (cuda_graph.py: the host's work for step n hides
 under the GPU's for step n+1), observing steps and the steps after a refresh included: an observing
 step's books are added when it is taken (a dropped one adds nothing), and routing's demotions are
-carried out at the end of the step after the refresh (router.py), so the step queued behind a refresh
-step reads the block tables it was queued with, as the eager path's next step does. The one step not
-queued is the one after that, when demotions are due at its end (KVRouter.may_queue_next). Blocks
-demoted since the last step get their codes (KVRouter.flush_moves) before a step is launched.
+carried out in the step after the refresh (router.py), so the step queued behind a refresh step reads
+the block tables it was queued with, as the eager path's next step does. On this path they are carried
+out before the step after that one is queued (RouterDecodeGraphs._continues; the eager path does them at
+the step's end), so every decode step but the first is queued. Blocks demoted since the last step get
+their codes (KVRouter.flush_moves) before a step is launched.
 """
 
 from __future__ import annotations
@@ -76,7 +77,17 @@ class RouterDecodeGraphs(DecodeGraphs):
         return super().fits(batch) and not self.runner.router.needs_eager(batch)
 
     def _continues(self, batch) -> bool:
-        return super()._continues(batch) and self.runner.router.may_queue_next()
+        """DecodeGraphs._continues, once the demotions a refresh planned at the end of the step before this
+        one are carried out: on every path they take effect from the next step (this one was queued with
+        the tables before them), so they are done here, before that step is queued with the tables they
+        leave, rather than at this step's end, which would leave the GPU idle while the host does them
+        and prepares the next step."""
+        runner, router = self.runner, self.runner.router
+        if router.pending and runner.carry_out is not None:
+            router.make_due()
+            for seq, _ in batch:
+                runner.carry_out(seq)
+        return super()._continues(batch) and router.may_queue_next()
 
     def capture_all(self) -> None:
         super().capture_all()

@@ -39,6 +39,8 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         # the block books' BlockManager.reserve_next (the engine sets it): a block for a step launched ahead
         self.reserve_block: Callable[[Sequence], bool] | None = None
+        # with the token router, RouterBlocks.carry_out (the engine sets it): a sequence's due demotions now
+        self.carry_out: Callable[[Sequence], None] | None = None
         # steps that do not fit the graphs attend through the block tables on CUDA (a Triton kernel);
         # the CPU keeps its gather + SDPA path, exact against transformers
         self.paged_prefill = device.type == "cuda"
