@@ -11,7 +11,10 @@ over the decode, and with --profile the functions that take it (py-spy's raw sta
 installed, are better: cProfile slows small functions most).
 
   python tools/bench_host_step.py [--setting off|router-int8|...] [--batch 16] [--context 3072] [--steps 512]
-                                  [--repeat 3] [--profile] [--window-detok]
+                                  [--repeat 3] [--profile] [--window-detok] [--refresh-steps N]
+
+Each run also reports the median host step by kind: the router's refresh steps, the steps after them
+(which carry out the demotions a refresh planned) and the others.
 
 Prompts are held-out stdlib docstrings on the built-in long-context reference model (the same as
 `tools/bench_router.py --gpu --shape model`). With the forward stubbed no attention is observed, so a
@@ -77,19 +80,32 @@ def run_once(a, profile: cProfile.Profile | None) -> dict:
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
     while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()  # the prompts (stubbed: no attention computed)
-    walls = []
+    walls, kinds, router, kind = [], {}, eng.runner.router, None
     if profile is not None:
         profile.enable()
     while eng.has_unfinished_requests():
+        kind = step_kind(router, kind)
         t = time.perf_counter()
         eng.step()
         walls.append((time.perf_counter() - t) * 1e3)
+        kinds.setdefault(kind, []).append(walls[-1])
     if profile is not None:
         profile.disable()
     walls.sort()
     return {"steps": len(walls), "median_ms": round(statistics.median(walls), 4),
             "p90_ms": round(walls[int(0.9 * len(walls))], 4), "mean_ms": round(statistics.fmean(walls), 4),
-            "launched_ahead": eng.runner.graphs.num_ahead_taken}
+            "launched_ahead": eng.runner.graphs.num_ahead_taken,
+            "by_kind": {k: {"n": len(v), "median_ms": round(statistics.median(v), 4)} for k, v in kinds.items()}}
+
+
+def step_kind(router, last: str | None) -> str:
+    """What the next engine step is for the router, given the last one's kind: a refresh (it observes and
+    routes), the step after one (it carries out the demotions the refresh planned), or another."""
+    if router is None:
+        return "other"
+    if router.observing_now():
+        return "refresh"
+    return "after refresh" if last == "refresh" else "other"
 
 
 def main() -> None:
@@ -102,8 +118,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the decode steps of the last repeat")
     ap.add_argument("--window-detok", action="store_true",
                     help="detokenize by two window decodes a token (tokenizers < 0.21's way), not DecodeStream")
+    ap.add_argument("--refresh-steps", type=int, default=0, help="the router's router_refresh_steps (default: its default)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.refresh_steps:
+        bench_router.SETTINGS[a.setting] = {**bench_router.SETTINGS[a.setting], "router_refresh_steps": a.refresh_steps}
     if a.window_detok:
         import o3edge.engine.tokenizer
 

@@ -16,10 +16,13 @@ def test_every_decode_step_after_the_first_is_taken_from_the_launch_ahead_queue(
     launched ahead (the router's demotions at its first routing included), and timed."""
     out_json = tmp_path / "host.json"
     out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_host_step.py"), "--setting", setting,
-                          "--batch", "2", "--context", "96", "--steps", "12", "--repeat", "1", "--json",
-                          str(out_json)], cwd=REPO, capture_output=True, text=True, timeout=300)
+                          "--batch", "2", "--context", "96", "--steps", "12", "--repeat", "1", "--refresh-steps", "4",
+                          "--json", str(out_json)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     run = json.loads(out_json.read_text())["runs"][0]
     assert run["steps"] >= 10  # 12 new tokens: the first with each prompt (the second may share its step)
     assert run["launched_ahead"] >= run["steps"] - 1
     assert 0 < run["median_ms"] <= run["p90_ms"]
+    kinds = run["by_kind"]  # the router's refresh steps (one in 4 here) and the steps after them
+    assert sum(k["n"] for k in kinds.values()) == run["steps"]
+    assert set(kinds) == ({"other", "refresh", "after refresh"} if setting != "off" else {"other"})
