@@ -54,7 +54,6 @@ def router_attention_per_sm(mode: str) -> int:
 class RouterDecodeGraphs(DecodeGraphs):
     """DecodeGraphs for a router-on runner (runner.router is the KVRouter)."""
 
-
     def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
         super().__init__(runner, max_batch, capture, launch_ahead)
         self.observe_graphs: dict = {}
