@@ -43,6 +43,7 @@ class O3Config:
     sink_tokens: int = 4  # first tokens: always full precision
     recent_tokens: int = 128  # last tokens: always full precision
     router_refresh_steps: int = 32  # decode steps between routing passes (docs/kv-cache.md: why 32)
+    router_select: str = "tokens"  # what covers router_threshold: salient tokens, or whole blocks (docs/kv-cache.md)
     router_cuda_graphs: bool = True  # router on, on CUDA: decode steps in CUDA graphs (router_graph.py)
     max_model_len: int | None = None  # None: the checkpoint's, capped at 4096
     max_num_seqs: int = 32  # sequences in the running batch
@@ -85,6 +86,8 @@ class O3Config:
             raise ConfigError(f"kv router must be 'off', 'int8' or 'int4', got {self.kv_router!r}")
         if not 0 <= self.router_threshold <= 1:
             raise ConfigError(f"router_threshold must be in [0, 1], got {self.router_threshold}")
+        if self.router_select not in ("tokens", "blocks"):
+            raise ConfigError(f"router_select must be 'tokens' or 'blocks', got {self.router_select!r}")
         if min(self.sink_tokens, self.recent_tokens) < 0 or self.router_refresh_steps < 1:
             raise ConfigError("sink_tokens and recent_tokens must be >= 0, router_refresh_steps >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

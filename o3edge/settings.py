@@ -46,7 +46,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 RELOADABLE = ("log.level", "power.energy_log", "scheduler.*",
               "server.queue_max_requests", "server.queue_max_prompt_tokens")
 KV_IN_ENGINE = ("cold_tier_mb", "cold_tier_dir", "kv_router", "router_threshold", "sink_tokens", "recent_tokens",
-                "router_refresh_steps")  # [kv] settings the engine config carries
+                "router_refresh_steps", "router_select")  # [kv] settings the engine config carries
 LOADED_INTO_ENGINE = (*KV_IN_ENGINE, "policy")  # engine fields other sections fill, not [engine]
 _OCTAL = {"octal": True}  # field metadata: text values are octal (a file mode)
 
@@ -148,6 +148,7 @@ class KVSettings:
     sink_tokens: int = 4
     recent_tokens: int = 128
     router_refresh_steps: int = 32
+    router_select: str = "tokens"  # tokens | blocks
 
     def __post_init__(self):
         if self.cold_tier_mb < 0:
@@ -338,7 +339,7 @@ def _build(merged: dict) -> Settings:
     policy = Policy(scheduler, server.queue_max_requests, server.queue_max_prompt_tokens)
     engine.update(cold_tier_mb=kv.cold_tier_mb, cold_tier_dir=kv.cold_tier_dir, kv_router=kv.router,
                   router_threshold=kv.router_threshold, sink_tokens=kv.sink_tokens, recent_tokens=kv.recent_tokens,
-                  router_refresh_steps=kv.router_refresh_steps, policy=policy)
+                  router_refresh_steps=kv.router_refresh_steps, router_select=kv.router_select, policy=policy)
     return Settings(
         engine=O3Config.from_dict(engine),
         kv=kv,

@@ -124,6 +124,7 @@ def test_unknown_env_and_override_keys_are_rejected_by_name():
     ("[power]\nenergy_log = 'energy.jsonl'\n", "absolute"),
     ("[log]\nlevel = 'loud'\n", "log.level"),
     ("[scheduler.high]\nmax_concurrent = 0\n", "scheduler.high.max_concurrent"),
+    ("[kv]\nrouter_select = 'heads'\n", "router_select"),
     ("[engine\n", "invalid TOML"),
     ("engine = 3\n", "must be a table"),
 ])
@@ -202,3 +203,10 @@ def test_kv_section_sets_the_engines_cold_tier_and_only_there(tmp_path):
         load_settings(None, {}, {"engine.cold_tier_mb": 64})
     with pytest.raises(ConfigError, match="kv.cold_tier_mb"):
         load_settings(None, {"O3EDGE_KV_COLD_TIER_MB": "-1"}, {})
+
+
+def test_kv_section_sets_the_routers_settings_in_the_engine(tmp_path):
+    s = load_settings(write(tmp_path, '[kv]\nrouter = "int4"\nrouter_select = "blocks"\nrouter_refresh_steps = 16\n'),
+                      {"O3EDGE_KV_ROUTER_THRESHOLD": "0.6"}, {})
+    e = s.engine
+    assert (e.kv_router, e.router_select, e.router_refresh_steps, e.router_threshold) == ("int4", "blocks", 16, 0.6)

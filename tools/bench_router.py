@@ -92,6 +92,11 @@ TUNED = {
     "router-int8-tuned": dict(kv_router="int8", router_threshold=0.5, sink_tokens=4, recent_tokens=32),
     "router-int4-tuned": dict(kv_router="int4", router_threshold=0.5, sink_tokens=4, recent_tokens=32),
 }
+# --blocks adds these: whole blocks, most salient first, cover the threshold (router_select = "blocks")
+BLOCKS = {
+    "router-int8-blocks": dict(kv_router="int8", router_select="blocks"),
+    "router-int4-blocks": dict(kv_router="int4", router_select="blocks"),
+}
 # --floor adds this control: the router's attention path with every token kept full precision (nothing
 # is ever compressed), so what it differs from `off` by is the path's, not compression's (a different
 # attention computation than off's; on an INT4-FFN model the FFN rounds its activations, to int8 groups
@@ -533,6 +538,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--eager", action="store_true", help="--gpu: also every setting without CUDA graphs")
+    ap.add_argument("--blocks", action="store_true",
+                    help="add router-int8-blocks and router-int4-blocks (router_select = \"blocks\")")
     ap.add_argument("--workdir", default="/tmp/o3edge-bench-router")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -540,6 +547,8 @@ def main(argv=None):
     torch.manual_seed(0)
     if a.tuned:
         SETTINGS.update(TUNED)
+    if a.blocks:
+        SETTINGS.update(BLOCKS)
     if a.refresh_steps:
         SETTINGS.update({f"router-{kv}-refresh{a.refresh_steps}": dict(kv_router=kv,
                                                                         router_refresh_steps=a.refresh_steps)

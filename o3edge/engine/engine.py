@@ -296,7 +296,8 @@ class LLMEngine:
 
         graphs = self.runner.device.type == "cuda" and config.cuda_graphs and config.router_cuda_graphs
         self.runner.enable_router(RouterConfig(config.kv_router, config.router_threshold, config.sink_tokens,
-                                               config.recent_tokens, config.router_refresh_steps),
+                                               config.recent_tokens, config.router_refresh_steps,
+                                               select=config.router_select),
                                   config.max_num_seqs if graphs else 0)
         self.blocks.demoter = self.runner.router
         self.runner.carry_out = self.blocks.carry_out

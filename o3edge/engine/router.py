@@ -63,6 +63,7 @@ class RouterConfig:
     recent_tokens: int = 128  # the last tokens: always full precision
     refresh_steps: int = 32  # decode steps between routing passes
     obs_window: int = 32  # prompt queries observed at prefill
+    select: str = "tokens"  # tokens | blocks: what covers the threshold (covering_blocks)
 
 
 def on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -109,6 +110,29 @@ def sealed_any(keep: torch.Tensor, block_size: int) -> torch.Tensor:
     """Bool [rows, sealed blocks], on keep's device: whether each whole block of keep [rows, n] holds a True."""
     sealed = keep.shape[1] // block_size
     return keep[:, :sealed * block_size].reshape(keep.shape[0], sealed, block_size).any(2)
+
+
+def covering_blocks(mass: np.ndarray, total: float, ctx: int, block_size: int, cfg: RouterConfig,
+                    demoted) -> np.ndarray:
+    """router_select = "blocks": which sealed blocks stay full precision, given each sealed block's saliency
+    (mass, the sum over its tokens) and the sequence's total. What stays full precision anyway (the sink
+    and recent-window blocks, the unsealed tail) counts first; then the blocks not yet demoted, most
+    salient first, until the full-precision blocks hold `threshold` of the total (or none are left). The
+    same guarantee as the token rule (salient: the full-precision tokens hold at least `threshold` of the
+    saliency), without keeping a whole block for one token. Bool [ctx // block_size]."""
+    n = ctx // block_size
+    mass = np.asarray(mass[:n], dtype=np.float64)
+    lo = np.arange(n) * block_size
+    forced = (lo < cfg.sink_tokens) | (lo + block_size > ctx - cfg.recent_tokens)
+    dem = np.asarray(demoted[:n], dtype=bool)
+    keep = forced.copy()
+    need = cfg.threshold * total - mass[forced & ~dem].sum() - (total - mass.sum())  # the tail's share counts
+    if need > 0:
+        cand = np.flatnonzero(~forced & ~dem)
+        order = cand[np.argsort(-mass[cand], kind="stable")]  # ties: the earlier block first
+        k = int(np.searchsorted(np.cumsum(mass[order]), need)) + 1  # the shortest prefix reaching need
+        keep[order[:k]] = True
+    return keep
 
 
 def blocks_to_demote(holds: list[bool], ctx: int, block_size: int, cfg: RouterConfig,
@@ -264,7 +288,7 @@ class KVRouter:
         a segmented sort whose kernels load at their first call: on the H200 (llama-1b, 16 sequences
         decoding past 4,096 tokens), the first refresh step there took 27-34 ms against ~3 for the next
         ones (tools/bench_router.py --gpu, docs/results/gpu-2026-12-02c/router/)."""
-        if self.device.type != "cuda" or self.cfg.threshold <= 0:
+        if self.device.type != "cuda" or self.cfg.threshold <= 0 or self.cfg.select != "tokens":
             return
         for n in sorted({min(self.books.max_len, 4096), self.books.max_len}):
             sal = torch.zeros(2, n, dtype=self.books.mass.dtype, device=self.device)
@@ -375,7 +399,10 @@ class KVRouter:
             holds = self._held(routed).cpu()
         for (seq, ctx, _), held in zip(routed, holds.numpy()):
             table = seq.block_table[:ctx // bs]
-            plan = blocks_to_demote(held, ctx, bs, self.cfg, np.asarray(table) >= nf)
+            demoted = np.asarray(table) >= nf
+            if self.cfg.select == "blocks":  # held: the sealed blocks' saliency, then the total (_held)
+                held = covering_blocks(held[:-1], held[-1], ctx, bs, self.cfg, demoted)
+            plan = blocks_to_demote(held, ctx, bs, self.cfg, demoted)
             if plan:  # a prompt's routing (an eager step, nothing queued behind it) is carried out now
                 books = self.plans if seq.num_output_tokens == 0 else self.pending
                 books[seq.seq_id] = [(i, table[i]) for i in plan]
@@ -410,16 +437,21 @@ class KVRouter:
             return
         held, done = self._held(routed), None
         if self.device.type == "cuda":
-            held = torch.empty(held.shape, dtype=torch.bool, pin_memory=True).copy_(held, non_blocking=True)
+            held = torch.empty(held.shape, dtype=held.dtype, pin_memory=True).copy_(held, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         self.prepared = ([(seq.seq_id, ctx) for seq, ctx, _ in routed], held, done)
 
     def _held(self, routed) -> torch.Tensor:
         """Bool [routed, sealed blocks] on the device: whether each sealed block of each routed sequence
-        holds a salient token."""
+        holds a salient token; with router_select = "blocks", each sealed block's saliency and then the
+        sequence's total instead ([routed, sealed blocks + 1], for covering_blocks)."""
         ctxs = [ctx for _, ctx, _ in routed]
         sal = self.books.saliency([row for _, _, row in routed], ctxs)
+        if self.cfg.select == "blocks":
+            sealed = sal.shape[1] // self.block_size
+            mass = sal[:, :sealed * self.block_size].reshape(len(routed), sealed, self.block_size).sum(2)
+            return torch.cat([mass, sal.sum(1, keepdim=True)], 1)
         return sealed_any(salient(sal, self.cfg.threshold), self.block_size)
 
     # ---- attention -------------------------------------------------------------------------

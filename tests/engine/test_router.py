@@ -1,13 +1,14 @@
 """The token router: KV quantizers, routing policy, two-pool attention, the compressed-pool kernel, the engine."""
 
+import numpy as np
 import pytest
 import torch
 
 from o3edge import O3Config, O3Model
 from o3edge.engine.kernels.quant_attention import quant_attention_partial, quant_attention_reference
 from o3edge.engine.kv_quant import dequantize, hadamard, quantize
-from o3edge.engine.router import (KVRouter, RouterConfig, SaliencyBooks, blocks_to_demote, holding_blocks,
-                                  salient_rows)
+from o3edge.engine.router import (KVRouter, RouterConfig, SaliencyBooks, blocks_to_demote, covering_blocks,
+                                  holding_blocks, salient_rows)
 from o3edge.engine.sequence import SamplingParams, Sequence
 from o3edge.errors import ConfigError
 
@@ -94,6 +95,35 @@ def test_sinks_and_recent_window_are_never_demoted():
         for i in out:
             assert i * 8 >= 5 and (i + 1) * 8 <= ctx - 20 and (i + 1) * 8 <= ctx
             assert not salient_positions(s, 0.5)[i * 8:(i + 1) * 8].any()
+
+
+def test_covering_blocks_keep_the_fewest_blocks_that_cover_the_threshold():
+    """router_select = "blocks": the sink and recent blocks and the tail count first, demoted blocks never
+    come back, and the kept blocks are the fewest, most salient first, that bring the full-precision share
+    to the threshold; the token rule keeps at least as many blocks for the same guarantee."""
+    torch.manual_seed(3)
+    cfg = RouterConfig("int8", threshold=0.85, sink_tokens=4, recent_tokens=20, select="blocks")
+    for ctx in (64, 100, 203, 400):
+        s = (torch.rand(ctx, dtype=torch.float64) ** 6).numpy()  # a few salient tokens, the rest spread
+        n = ctx // 8
+        mass = s[:n * 8].reshape(n, 8).sum(1)
+        demoted = [i % 5 == 3 for i in range(n)]
+        keep = covering_blocks(mass, s.sum(), ctx, 8, cfg, demoted)
+        lo = np.arange(n) * 8
+        forced = (lo < 4) | (lo + 8 > ctx - 20)
+        assert keep[forced].all() and not (keep & np.asarray(demoted) & ~forced).any()
+        full = mass[keep & ~np.asarray(demoted)].sum() + s[n * 8:].sum()
+        chosen, left = np.flatnonzero(keep & ~forced), np.flatnonzero(~keep & ~np.asarray(demoted))
+        if len(left):  # not every block kept: the threshold is covered...
+            assert full >= 0.85 * s.sum() - 1e-9
+            assert mass[left].max() <= mass[chosen].min() if len(chosen) else True  # ...most salient first...
+        if len(chosen):  # ...and dropping the least salient kept block would not cover it
+            assert full - mass[chosen].min() < 0.85 * s.sum()
+        by_tokens = np.asarray(holding_blocks([torch.from_numpy(s)], 0.85, 8)[0], dtype=bool) | forced
+        fresh = covering_blocks(mass, s.sum(), ctx, 8, cfg, [False] * n)
+        assert fresh.sum() <= by_tokens.sum()
+        demote = blocks_to_demote(fresh, ctx, 8, cfg, [False] * n)
+        assert sorted(demote) == np.flatnonzero(~fresh).tolist()
 
 
 # ---- two-pool attention --------------------------------------------------------------------------
@@ -214,16 +244,17 @@ def test_saliency_books_keep_each_sequence_its_row_and_grow_without_losing_any()
 # ---- the engine ----------------------------------------------------------------------------------
 
 def test_router_settings_are_checked():
-    for bad in (dict(kv_router="int2"), dict(router_threshold=1.5), dict(recent_tokens=-1)):
+    for bad in (dict(kv_router="int2"), dict(router_threshold=1.5), dict(recent_tokens=-1),
+                dict(router_select="heads")):
         with pytest.raises(ConfigError):
             O3Config(**bad)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_router_on_is_deterministic_and_demotes_only_eligible_blocks(tiny_dir, mode):
+@pytest.mark.parametrize("mode, select", [("int8", "tokens"), ("int4", "tokens"), ("int8", "blocks")])
+def test_router_on_is_deterministic_and_demotes_only_eligible_blocks(tiny_dir, mode, select):
     runs = []
     for _ in range(2):
-        m = load(tiny_dir, kv_router=mode, **ROUTED)
+        m = load(tiny_dir, kv_router=mode, router_select=select, **ROUTED)
         eng = m.engine
         prompts = [eng.encode(PROMPT + f"What is module {i}?") for i in range(3)]
         for i, p in enumerate(prompts):
