@@ -8,11 +8,12 @@ fused, as the decode step calls it above one row) in these ways:
   nospec   M never specialized (Triton treats an integer argument divisible by 16 as such: at 16 rows
            `default` compiles another kernel than at 2-8);
   pad16    the same M rows padded with zero rows to 16 (the kernel sees M = 16);
+  cap128   as called, with O3EDGE_INT4_MAXNREG=1 (registers capped at 128: four programs an SM);
   cublas   the same layer's dense weight on cuBLAS (F.linear), for scale.
 Each timing replays a CUDA graph over >= 512 MB of weight copies (tools/bench_gemv.py time_graph), so
 nothing is served from L2.
 
-  python tools/bench_gemv_rows.py [--rows 2,8,16] [--variants default,nospec,pad16,cublas] [--json OUT]
+  python tools/bench_gemv_rows.py [--rows 2,8,16] [--variants default,nospec,pad16,cap128,cublas] [--json OUT]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tools.bench_gemv as bg  # noqa: E402
 from o3edge.engine.kernels import gemv  # noqa: E402
 
-VARIANTS = ("default", "nospec", "pad16", "cublas")
+VARIANTS = ("default", "nospec", "pad16", "cap128", "cublas")
 
 
 def time_variant(case: bg.Case, variant: str) -> float | None:
@@ -50,11 +51,14 @@ def time_variant(case: bg.Case, variant: str) -> float | None:
     original = gemv._skinny_kernel
     if variant == "nospec":
         gemv._skinny_kernel = triton.jit(do_not_specialize=["M"])(original.fn)
+    if variant == "cap128":
+        os.environ["O3EDGE_INT4_MAXNREG"] = "1"
     try:
         return bg.time_graph(lambda w: gemv.skinny_matmul(x, w[0], scales_and_zeros=w[1], group_size=bg.GROUP,
                                                           out_features=N), case.weights)
     finally:
         gemv._skinny_kernel = original
+        os.environ.pop("O3EDGE_INT4_MAXNREG", None)
 
 
 def main() -> None:

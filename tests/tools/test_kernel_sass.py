@@ -32,3 +32,14 @@ def test_int4_tile_compiles_for_sm90_without_spilling(asm):
     assert "cp.async" in text  # the weight tiles' loads are software-pipelined
     packed = re.search(r"HFMA2 (\d+)", text)  # the word path scales eight halves with packed FMAs
     assert bool(packed) == (asm == "1"), text
+
+
+@pytest.mark.parametrize("rows", ["2", "8"])
+def test_int4_tile_register_cap_fits_four_programs_an_sm(rows):
+    """O3EDGE_INT4_MAXNREG=1: llama-1b's INT4 gate/up tile of 2-8 rows in at most 128 registers a thread
+    (four programs of four warps an SM, as the 16-row tile Triton specializes), without spilling; without
+    the cap it takes more (three programs an SM)."""
+    shape = ("gemv", "--rows", rows, "--n", "16384", "--k", "2048", "--dtype", "bfloat16")
+    capped, spilled, _ = _sass(*shape, "--env", "O3EDGE_INT4_MAXNREG=1")
+    free, _, _ = _sass(*shape)
+    assert capped <= 128 and spilled == 0 and free > 128
