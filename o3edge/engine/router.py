@@ -106,10 +106,22 @@ def holding_blocks(rows: list[torch.Tensor], threshold: float, block_size: int) 
     return [h[:r.numel() // block_size] for h, r in zip(holds, rows)]
 
 
+def sealed_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [rows, n] by whole block: [rows, n // block_size, block_size] (a partial last block left out)."""
+    sealed = x.shape[1] // block_size
+    return x[:, :sealed * block_size].reshape(x.shape[0], sealed, block_size)
+
+
 def sealed_any(keep: torch.Tensor, block_size: int) -> torch.Tensor:
     """Bool [rows, sealed blocks], on keep's device: whether each whole block of keep [rows, n] holds a True."""
-    sealed = keep.shape[1] // block_size
-    return keep[:, :sealed * block_size].reshape(keep.shape[0], sealed, block_size).any(2)
+    return sealed_blocks(keep, block_size).any(2)
+
+
+def pinned_blocks(ctx: int, block_size: int, cfg: RouterConfig) -> np.ndarray:
+    """Bool [ctx // block_size]: the sealed blocks that stay full precision whatever their saliency, those
+    holding an attention sink or a token of the recent window."""
+    lo = np.arange(ctx // block_size) * block_size
+    return (lo < cfg.sink_tokens) | (lo + block_size > ctx - cfg.recent_tokens)
 
 
 def covering_blocks(mass: np.ndarray, total: float, ctx: int, block_size: int, cfg: RouterConfig,
@@ -122,8 +134,7 @@ def covering_blocks(mass: np.ndarray, total: float, ctx: int, block_size: int, c
     saliency), without keeping a whole block for one token. Bool [ctx // block_size]."""
     n = ctx // block_size
     mass = np.asarray(mass[:n], dtype=np.float64)
-    lo = np.arange(n) * block_size
-    forced = (lo < cfg.sink_tokens) | (lo + block_size > ctx - cfg.recent_tokens)
+    forced = pinned_blocks(ctx, block_size, cfg)
     dem = np.asarray(demoted[:n], dtype=bool)
     keep = forced.copy()
     need = cfg.threshold * total - mass[forced & ~dem].sum() - (total - mass.sum())  # the tail's share counts
@@ -141,9 +152,8 @@ def blocks_to_demote(holds: list[bool], ctx: int, block_size: int, cfg: RouterCo
     token (holds[i], from holding_blocks), no attention sink and no token of the recent window, and are
     not demoted already (`demoted[i]`)."""
     n = ctx // block_size
-    lo = np.arange(n) * block_size
     ok = ~np.asarray(demoted[:n], dtype=bool) & ~np.asarray(holds[:n], dtype=bool)
-    ok &= (lo >= cfg.sink_tokens) & (lo + block_size <= ctx - cfg.recent_tokens)
+    ok &= ~pinned_blocks(ctx, block_size, cfg)
     return np.flatnonzero(ok).tolist()
 
 
@@ -288,7 +298,7 @@ class KVRouter:
         a segmented sort whose kernels load at their first call: on the H200 (llama-1b, 16 sequences
         decoding past 4,096 tokens), the first refresh step there took 27-34 ms against ~3 for the next
         ones (tools/bench_router.py --gpu, docs/results/gpu-2026-12-02c/router/)."""
-        if self.device.type != "cuda" or self.cfg.threshold <= 0 or self.cfg.select != "tokens":
+        if self.device.type != "cuda" or not self.observing or self.cfg.select != "tokens":
             return
         for n in sorted({min(self.books.max_len, 4096), self.books.max_len}):
             sal = torch.zeros(2, n, dtype=self.books.mass.dtype, device=self.device)
@@ -449,9 +459,7 @@ class KVRouter:
         ctxs = [ctx for _, ctx, _ in routed]
         sal = self.books.saliency([row for _, _, row in routed], ctxs)
         if self.cfg.select == "blocks":
-            sealed = sal.shape[1] // self.block_size
-            mass = sal[:, :sealed * self.block_size].reshape(len(routed), sealed, self.block_size).sum(2)
-            return torch.cat([mass, sal.sum(1, keepdim=True)], 1)
+            return torch.cat([sealed_blocks(sal, self.block_size).sum(2), sal.sum(1, keepdim=True)], 1)
         return sealed_any(salient(sal, self.cfg.threshold), self.block_size)
 
     # ---- attention -------------------------------------------------------------------------
