@@ -84,7 +84,7 @@ def run_once(a, profile: cProfile.Profile | None) -> dict:
     if profile is not None:
         profile.enable()
     while eng.has_unfinished_requests():
-        kind = step_kind(router, kind)
+        kind = bench_router.step_kind(router, kind)
         t = time.perf_counter()
         eng.step()
         walls.append((time.perf_counter() - t) * 1e3)
@@ -98,16 +98,6 @@ def run_once(a, profile: cProfile.Profile | None) -> dict:
             "by_kind": {k: {"n": len(v), "median_ms": round(statistics.median(v), 4)} for k, v in kinds.items()}}
 
 
-def step_kind(router, last: str | None) -> str:
-    """What the next engine step is for the router, given the last one's kind: a refresh (it observes and
-    routes), the step after one (it carries out the demotions the refresh planned), or another."""
-    if router is None:
-        return "other"
-    if router.observing_now():
-        return "refresh"
-    return "after refresh" if last == "refresh" else "other"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setting", default="router-int8", help="a tools/bench_router.py setting (off, router-int8, ...)")
@@ -118,11 +108,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the decode steps of the last repeat")
     ap.add_argument("--window-detok", action="store_true",
                     help="detokenize by two window decodes a token (tokenizers < 0.21's way), not DecodeStream")
-    ap.add_argument("--refresh-steps", type=int, default=0, help="the router's router_refresh_steps (default: its default)")
+    ap.add_argument("--refresh-steps", type=int, default=0,
+                    help="the router's router_refresh_steps (default: its default)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.refresh_steps:
-        bench_router.SETTINGS[a.setting] = {**bench_router.SETTINGS[a.setting], "router_refresh_steps": a.refresh_steps}
+        setting = bench_router.SETTINGS[a.setting]
+        bench_router.SETTINGS[a.setting] = {**setting, "router_refresh_steps": a.refresh_steps}
     if a.window_detok:
         import o3edge.engine.tokenizer
 

@@ -369,6 +369,16 @@ def uncaptured_graphs(eng: LLMEngine, batch: int):
     return eng.runner.graphs
 
 
+def step_kind(router, last: str | None) -> str:
+    """What the next engine step is for the router (None: off), given the last one's kind: a refresh (it
+    observes and routes), the step after one (it carries out the demotions the refresh planned), or another."""
+    if router is None:
+        return "other"
+    if router.observing_now():
+        return "refresh"
+    return "after refresh" if last == "refresh" else "other"
+
+
 def gpu(a) -> dict:
     path, prompts, warm = decode_checkpoint(a)  # the same prompts for every setting, made once
     rows = {}

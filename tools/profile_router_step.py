@@ -13,9 +13,10 @@ With --trace the steps run as in a normal run (launched ahead, no timers) under 
 engine step reports how long the GPU sat idle while the host was in that step (what the host's work
 left it waiting for), by kind: refresh steps, the step after each, the others; the host operations with
 the most time of their own in each kind of step; and the GPU's time a decode step by kernel over the whole
-run (a refresh step's own kernels count once in 16 steps). `--setting off` traces full precision's steps
-for comparison. `TRITON_INTERPRET=1 ... --trace --device cpu --shape tiny --context 64 --batch 2 --steps 20`
-runs it on the CPU (Triton's interpreter: no GPU figures, a check that it runs). `--shape model` runs the
+run (a refresh step's own kernels count once in `router_refresh_steps` steps, 32 by default). `--setting
+off` traces full precision's steps for comparison. `TRITON_INTERPRET=1 ... --trace --device cpu --shape
+tiny --context 64 --batch 2 --steps 20` runs it on the CPU (Triton's interpreter: no GPU figures, a check
+that it runs). `--shape model` runs the
 built-in long-context reference model (or --model) on held-out stdlib docstrings, as bench_router.py does.
 """
 
@@ -90,10 +91,10 @@ def trace(eng, a) -> dict:
     kinds, router = [], eng.runner.router
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         while eng.has_unfinished_requests():
-            refresh = router is not None and router.observing_now()
+            kind = bench_router.step_kind(router, kinds[-1] if kinds else None)
             with record_function(f"engine step {len(kinds)}"):
                 eng.step()
-            kinds.append("refresh" if refresh else "after refresh" if kinds and kinds[-1] == "refresh" else "other")
+            kinds.append(kind)
         if cuda:
             torch.cuda.synchronize()
     events = prof.events()
@@ -121,7 +122,7 @@ def trace(eng, a) -> dict:
         for _, name, own in host[bisect.bisect_left(host_starts, start):bisect.bisect_left(host_starts, end)]:
             host_ops[kinds[i]][name] += own / 1e3
     kernels: dict = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:  # GPU time by kernel over the whole decode (refresh steps' own kernels run once in 16)
+    for e in events:  # GPU time by kernel over the whole decode (refresh steps' own kernels run once in 32 by default)
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name][0] += 1
             kernels[e.name][1] += (e.time_range.end - e.time_range.start) / 1e3
