@@ -84,7 +84,8 @@ def gemv(a) -> list:
     x = torch.randn(a.rows, a.k, dtype=dtype)
     q, sz = quantize_int4(torch.randn(a.n, a.k) / 40, a.group)
     try:
-        g.skinny_matmul(x, q, scales_and_zeros=sz, group_size=a.group, out_features=a.n)
+        config = tuple(int(v) for v in a.config.split(",")) if a.config else None
+        g.skinny_matmul(x, q, scales_and_zeros=sz, group_size=a.group, out_features=a.n, config=config)
     except Exception:  # the launch: no device
         pass
     return compiled(g._skinny_kernel, g._row_stream_kernel)
@@ -113,6 +114,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=11264)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--config", help="gemv: a tiling BLOCK_N,BLOCK_K,splits,warps[,programs per SM] (default: planned)")
     ap.add_argument("--mode", default="int8", help="router: int8, int4, int8-half, int4-half")
     ap.add_argument("--shape", default="llama-1b")
     ap.add_argument("--batch", type=int, default=16)

@@ -445,21 +445,22 @@ def stream_int4(N: int, K: int) -> bool:
     return forced == "1" or N >= 8192 or K >= 4096
 
 
-def int4_register_cap(M: int, warps: int) -> dict:
-    """Launch options capping the registers of an INT4 tile of 2-31 rows at 128 a thread when
-    O3EDGE_INT4_MAXNREG=1 (off by default: prepared, not yet measured on a GPU), so that four programs of
-    four warps fit an SM at once.
+def int4_register_cap(M: int, warps: int, programs: int, sms: int) -> dict:
+    """Launch options capping the registers of an INT4 tile of 2-31 rows (not a multiple of 16) at 128 a
+    thread, so that four programs of four warps fit an SM at once, where the grid is more than one wave
+    at three an SM. O3EDGE_INT4_MAXNREG=0 never caps, =1 caps every such tile whatever its grid.
 
     Compiled for sm_90 (tools/kernel_sass.py gemv --rows 8 --n 16384 --k 2048 --dtype bfloat16), the tile of
     2-8 rows takes 136 registers (tinyllama's gate/up 144): three programs an SM. With 16 rows Triton
-    specializes the row count (divisible by 16) and the same tile takes 128: four. llama-1b's gate/up
-    (512 programs) then runs in one wave instead of two, which matches what the H200 measured
-    (tools/bench_gemv_rows.py: 29.5 us at 2-8 rows, 20.2 with the rows padded to 16, 28.5 at 16 rows with
-    the row count not specialized; docs/results/gpu-2026-12-02c/int4-rows/). Capped at 128, the 2-8 row
-    tile compiles without spills (760 instructions against 744)."""
-    if os.environ.get("O3EDGE_INT4_MAXNREG") != "1" or not 1 < M < 32 or warps != 4 or INTERPRET:
+    specializes the row count (divisible by 16) and the same tile takes 128: four. On the H200
+    (tools/bench_gemv_rows.py, docs/results/gpu-2026-12-02d/rows.json), at 2 and 8 rows: llama-1b gate/up
+    (512 programs) 29.6 -> 21.6 us, its LM head (4,008) 156.3 -> 147.9, tinyllama's LM head (1,000) 43.5 ->
+    41.0; but tinyllama's gate/up (352 programs, one wave either way) 16.1 -> 21.3, hence the grid rule.
+    Whole generations, llama-1b bf16 INT4-FFN + INT4 LM head at batch 8: 6,318 -> 6,888 tok/s (same call)."""
+    forced = os.environ.get("O3EDGE_INT4_MAXNREG")
+    if forced == "0" or not 1 < M < 32 or M % 16 == 0 or warps != 4 or INTERPRET:
         return {}
-    return {"maxnreg": 128}
+    return {"maxnreg": 128} if forced == "1" or programs > 3 * sms else {}
 
 
 def swap_int4(M: int, N: int) -> bool:
@@ -579,5 +580,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
         PDL=on, PACKED=packed_int4(x) and int4 and M == 1, SWAP=int4 and swap_int4(M, N),
-        ASM=asm, num_warps=warps, **stages, **pdl.launch_options(on), **(int4_register_cap(M, warps) if asm else {}))
+        ASM=asm, num_warps=warps, **stages, **pdl.launch_options(on),
+        **(int4_register_cap(M, warps, grid[0] * grid[1], sms) if asm else {}))
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
