@@ -88,7 +88,7 @@ def gemv(a) -> list:
         g.skinny_matmul(x, q, scales_and_zeros=sz, group_size=a.group, out_features=a.n, config=config)
     except Exception:  # the launch: no device
         pass
-    return compiled(g._skinny_kernel, g._row_stream_kernel)
+    return compiled(g._skinny_kernel, g._row_stream_kernel, g._rows_stream_kernel)
 
 
 def router(a) -> list:

@@ -120,6 +120,29 @@ def test_streamed_int4_row_matches_the_dequantized_linear(dtype, pro, config):
     _close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [2, 5, 8])
+@pytest.mark.parametrize("config", [(8, 128, 1, 4, 1), (4, 256, 1, 4, 2)])  # 1 or 2 programs per SM
+def test_streamed_int4_rows_match_the_dequantized_linear(dtype, M, config, monkeypatch):
+    """A few activation rows of INT4 weights streamed without the tensor cores (each tile dequantized once,
+    then used by every row), at a K that is not a whole number of tiles; and the planned tiling."""
+    monkeypatch.setenv("O3EDGE_INT4_ROWS", "8")
+    N, K, group = 72, 320, 64
+    g, x, w = _data(M, N, K, dtype, 13 + M)
+    qw, sz = quantize_int4(w.float().cpu(), group)
+    ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
+    for cfg in (config, None):
+        out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N, config=cfg)
+        _close(out, ref, dtype)
+
+
+def test_streamed_int4_rows_take_no_prologue():
+    qw, sz = quantize_int4(torch.randn(8, 64), 64)
+    with pytest.raises(ValueError, match="no prologue"):
+        skinny_matmul(torch.zeros(4, 128, device=DEV), qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=64,
+                      out_features=8, silu=True, config=(8, 64, 1, 4, 1))
+
+
 def test_more_rows_than_a_decode_batch_are_refused():
     x, w = torch.zeros(65, 8, device=DEV), torch.zeros(8, 8, device=DEV)
     with pytest.raises(ValueError, match="at most 64"):
@@ -131,8 +154,8 @@ def test_more_rows_than_a_decode_batch_are_refused():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
     """tinyllama's one-row projections as the decode step runs them (streamed dense, INT4 with the packed
-    dot and without), and its INT4 projections at 8 and 32 rows (planned tiles, then never swapped),
-    against prologue-then-linear in float32."""
+    dot and without), its INT4 projections at 8 and 32 rows (planned tiles, then never swapped) and at
+    2-8 rows streamed (rows_int4), against prologue-then-linear in float32."""
     monkeypatch.setenv("O3EDGE_INT4_PACKED", "1")
     g, x, w = _data(1, 2560, 2048, dtype, 7)
     res = torch.randn(1, 2048, generator=g).to(DEV, dtype)
@@ -161,3 +184,10 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
                 out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
                 _close(out, ref, dtype)
             monkeypatch.delenv("O3EDGE_INT4_SWAP")
+        monkeypatch.setenv("O3EDGE_INT4_ROWS", "8")  # 2-8 rows streamed, no tensor cores (rows_int4)
+        for M in (2, 5, 8):
+            g, x, _ = _data(M, N, K, dtype, N + M)
+            ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
+            out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
+            _close(out, ref, dtype)
+        monkeypatch.delenv("O3EDGE_INT4_ROWS")

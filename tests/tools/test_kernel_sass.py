@@ -40,9 +40,23 @@ def test_int4_tile_register_cap_fits_four_programs_an_sm(rows):
     128 registers a thread (four programs of four warps an SM, as the 16-row tile Triton specializes),
     without spilling; without the cap (O3EDGE_INT4_MAXNREG=0) it takes more. tinyllama's (352 programs,
     one wave either way) is left alone."""
-    shape = ("gemv", "--rows", rows, "--n", "16384", "--k", "2048", "--dtype", "bfloat16")
+    shape = ("gemv", "--rows", rows, "--n", "16384", "--k", "2048", "--dtype", "bfloat16",
+             "--env", "O3EDGE_INT4_ROWS=0")  # the tiles, not two rows streamed (rows_int4)
     capped, spilled, _ = _sass(*shape)
     free, _, _ = _sass(*shape, "--env", "O3EDGE_INT4_MAXNREG=0")
     assert capped <= 128 and spilled == 0 and free > 128
     assert _sass("gemv", "--rows", rows, "--dtype", "bfloat16")[0] > 128
 
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_streamed_int4_rows_compile_for_sm90_without_spilling(dtype):
+    """Two rows of llama-1b's INT4 gate/up, as planned (rows_int4): streamed without the tensor cores, each
+    tile dequantized to half pairs once and multiplied row by row on packed multiply-adds."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "kernel_sass.py"), "gemv", "--rows", "2",
+                          "--n", "16384", "--k", "2048", "--dtype", dtype], cwd=REPO, capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = re.search(r"_rows_stream_kernel: (\d+) registers, (\d+) bytes spilled", out.stdout)
+    assert m and int(m.group(1)) <= 255 and int(m.group(2)) == 0, out.stdout
+    assert re.search(r"HFMA2 \d+", out.stdout), out.stdout

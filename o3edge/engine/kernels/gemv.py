@@ -115,15 +115,28 @@ def _int4_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexp
 
 
 @triton.jit
-def _int4_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One activation row x [1, BLOCK_K] against a stored INT4 tile (_int4_raw): sum_k x_k w_k = scale *
-    sum x (q - 8) + zero * sum x per group, so the inner loop is one multiply-add per weight. [BLOCK_N] float32."""
+def _group_sums(part, x, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k x_k w_k of one activation row x [1, BLOCK_K] from each group's sum x (q - 8) (part [BLOCK_N,
+    groups], float32): scale * part + zero * sum x, over the groups. [BLOCK_N] float32."""
+    xsum = tl.sum(tl.reshape(x.to(tl.float32), [BLOCK_K // GROUP, GROUP]), axis=1)  # [NG]
+    return tl.sum(part * scale.to(tl.float32) + zero.to(tl.float32) * xsum[None, :], axis=1)
+
+
+@triton.jit
+def _int4_centered_dot(x, hi, lo, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row x [1, BLOCK_K] against an unpacked INT4 tile (the even and odd columns' q - 8,
+    [BLOCK_N, groups, GROUP // 2]): one multiply-add per weight. [BLOCK_N] float32."""
     NG: tl.constexpr = BLOCK_K // GROUP
-    hi, lo = _centered(q >> 4), _centered(q & 0xF)
     xe, xo = tl.split(tl.reshape(x.to(tl.float32), [NG, GROUP // 2, 2]))  # even and odd columns
     part = tl.sum(hi.to(tl.float32) * xe[None, :, :] + lo.to(tl.float32) * xo[None, :, :], axis=2)  # [BN, NG]
-    xsum = tl.sum(xe + xo, axis=1)  # [NG]
-    return tl.sum(part * scale.to(tl.float32) + zero.to(tl.float32) * xsum[None, :], axis=1)
+    return _group_sums(part, x, scale, zero, GROUP, BLOCK_K)
+
+
+@triton.jit
+def _int4_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row x [1, BLOCK_K] against a stored INT4 tile (_int4_raw): sum_k x_k w_k = scale *
+    sum x (q - 8) + zero * sum x per group. [BLOCK_N] float32."""
+    return _int4_centered_dot(x, _centered(q >> 4), _centered(q & 0xF), scale, zero, GROUP, BLOCK_K)
 
 
 # Eight INT4 weights (one 32-bit word: bytes of column pairs, even column in the high nibble) times eight
@@ -185,17 +198,13 @@ def _pairs(x, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
 def _int4_packed_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """_int4_row_dot on the GPU's packed half-precision instructions (PACKED_DOT_*), for a tile of int32 words
     (_int4_raw with WORD 4): [BLOCK_N] float32."""
-    NG: tl.constexpr = BLOCK_K // GROUP
-    scale, zero = scale.to(tl.float32), zero.to(tl.float32)
     w0, w1, w2, w3 = _pairs(x, BLOCK_K, GROUP)
     args = [q, w0[None], w1[None], w2[None], w3[None]]
     if x.dtype == tl.bfloat16:
         part = tl.inline_asm_elementwise(PACKED_DOT_BF16, "=r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True, pack=1)
     else:
         part = tl.inline_asm_elementwise(PACKED_DOT_F16, "=r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True, pack=1)
-    part = tl.sum(part, axis=2)  # [BN, NG]
-    xsum = tl.sum(tl.reshape(x.to(tl.float32), [NG, GROUP]), axis=1)
-    return tl.sum(part * scale + zero * xsum[None, :], axis=1)
+    return _group_sums(tl.sum(part, axis=2), x, scale, zero, GROUP, BLOCK_K)
 
 
 @triton.jit
@@ -229,6 +238,60 @@ DEQUANT_WORD_BF16 = tl.constexpr(_DEQUANT_WORD.replace("MAGIC", "0x43004300").re
 
 
 INTERPRETED = tl.constexpr(INTERPRET)
+
+# One int32 word of eight INT4 weights as four words of two halves (q - 8): word i holds columns 2i (low half)
+# and 2i + 1, the layout _pairs gives the activations. 13 instructions for eight weights, done once a tile
+# for both rows of _rows_stream_kernel.
+_DEQUANT_PAIRS = ("{\n.reg .b32 hi, d, c;\nmov.b32 c, CENTER;\nshr.u32 hi, $4, 4;\n" + "".join(
+    f"prmt.b32 d, hi, $4, 0x0{4 + i}0{i};\nlop3.b32 d, d, 0x000F000F, MAGIC, 0xEA;\nsub.TYPE ${i}, d, c;\n"
+    for i in range(4)) + "}")
+DEQUANT_PAIRS_F16 = tl.constexpr(_DEQUANT_PAIRS.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
+                                 .replace("TYPE", "f16x2"))
+DEQUANT_PAIRS_BF16 = tl.constexpr(_DEQUANT_PAIRS.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
+                                  .replace(".TYPE", ".rn.bf16x2"))
+
+# Four words of weight pairs ($1-$4) times four words of activation pairs ($5-$8): one packed multiply, three
+# packed multiply-adds, the two halves' sum in float32 (as PACKED_DOT_* sums a word's eight products).
+_PAIRS_DOT = """{
+.reg .b32 s;
+.reg .b16 h0, h1;
+.reg .f32 f0, f1;
+mul.MUL s, $1, $5;
+fma.rn.TYPE s, $2, $6, s;
+fma.rn.TYPE s, $3, $7, s;
+fma.rn.TYPE s, $4, $8, s;
+mov.b32 {h0, h1}, s;
+cvt.f32.HALF f0, h0;
+cvt.f32.HALF f1, h1;
+add.f32 $0, f0, f1;
+}"""
+PAIRS_DOT_F16 = tl.constexpr(_PAIRS_DOT.replace("MUL", "f16x2").replace("TYPE", "f16x2").replace("HALF", "f16"))
+PAIRS_DOT_BF16 = tl.constexpr(_PAIRS_DOT.replace("MUL", "rn.bf16x2").replace("TYPE", "bf16x2")
+                              .replace("HALF", "bf16"))
+
+
+@triton.jit
+def _dequant_pairs(q, dtype: tl.constexpr):
+    """A tile of int32 words (_int4_raw with WORD 4) as four tiles of words of two halves (q - 8), on the GPU."""
+    if dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(DEQUANT_PAIRS_BF16, "=r,=r,=r,=r,r", [q], is_pure=True, pack=1,
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32))
+    return tl.inline_asm_elementwise(DEQUANT_PAIRS_F16, "=r,=r,=r,=r,r", [q], is_pure=True, pack=1,
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32))
+
+
+@triton.jit
+def _pairs_row_dot(x, p0, p1, p2, p3, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row x [1, BLOCK_K] against a tile of weight pairs (_dequant_pairs): [BLOCK_N] float32."""
+    x0, x1, x2, x3 = _pairs(x, BLOCK_K, GROUP)
+    args = [p0, p1, p2, p3, x0[None], x1[None], x2[None], x3[None]]
+    if x.dtype == tl.bfloat16:
+        part = tl.inline_asm_elementwise(PAIRS_DOT_BF16, "=r,r,r,r,r,r,r,r,r", args, dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        part = tl.inline_asm_elementwise(PAIRS_DOT_F16, "=r,r,r,r,r,r,r,r,r", args, dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return _group_sums(tl.sum(part, axis=2), x, scale, zero, GROUP, BLOCK_K)
 
 
 @triton.jit
@@ -400,6 +463,53 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
         tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
+@triton.jit
+def _rows_stream_kernel(x_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.constexpr, stride_x, stride_w, stride_out,
+                        ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        K_TILES: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr,
+                        PACKED: tl.constexpr):
+    """A few activation rows (ROWS) of INT4 weights without the tensor cores: row blocks streamed as in
+    _row_stream_kernel, each tile dequantized once (PACKED: to words of half pairs, _dequant_pairs; under
+    the interpreter, to float32 pairs) and multiplied with each row in turn, as the one-row kernel does
+    with its row. No prologue (above one row the decode step runs the op before as its own kernel)."""
+    pdl.launch_next(PDL)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    dtype = x_ptr.dtype.element_ty
+    rm = tl.arange(0, BLOCK_M)
+    one = tl.arange(0, 1)
+    rows = tl.arange(0, BLOCK_N)
+    rn = pid * BLOCK_N + rows
+    q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn, rn < N, 0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
+    pdl.wait_for_previous(PDL)
+    for b in range(BLOCKS):
+        rn = (pid + b * programs) * BLOCK_N + rows
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kt in tl.static_range(K_TILES):
+            if kt + 1 < K_TILES:  # the next tile: this block's next columns, or the next block's first
+                rn2, k2 = rn, (kt + 1) * BLOCK_K
+            else:
+                rn2, k2 = rn + programs * BLOCK_N, 0
+            q, sc, zr = q_next, s_next, z_next
+            q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP, BLOCK_K,
+                                                    PACKED)
+            if PACKED:
+                p0, p1, p2, p3 = _dequant_pairs(q, dtype)
+            else:
+                hi, lo = _centered(q >> 4), _centered(q & 0xF)
+            for m in range(ROWS):
+                x = _input_tile(x_ptr, None, None, one + m, one < 1, kt * BLOCK_K + tl.arange(0, BLOCK_K), K,
+                                stride_x, tl.zeros([1], tl.float32), 0, dtype)
+                if PACKED:
+                    part = _pairs_row_dot(x, p0, p1, p2, p3, sc, zr, GROUP, BLOCK_K)
+                else:
+                    part = _int4_centered_dot(x, hi, lo, sc, zr, GROUP, BLOCK_K)
+                acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
+        if bias_ptr is not None:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rm < ROWS)[:, None] & (rn < N)[None, :])
+
+
 def packed_int4(x: torch.Tensor) -> bool:
     """Whether one-row INT4 tiles use the packed half-precision dot (PACKED_DOT_*): on a CUDA GPU, for
     float16 and bfloat16 activations, unless O3EDGE_INT4_PACKED=0; otherwise (and always under the
@@ -445,6 +555,24 @@ def stream_int4(N: int, K: int) -> bool:
     return forced == "1" or N >= 8192 or K >= 4096
 
 
+def rows_int4(M: int, N: int) -> bool:
+    """Whether an INT4 matmul of M > 1 rows streams its row blocks without the tensor cores
+    (_rows_stream_kernel: each tile dequantized once, then multiplied with each row on the packed
+    half-precision units): two rows of a wide weight (N >= 16,384: llama-1b's gate/up, LM heads), unless
+    O3EDGE_INT4_ROWS=0; O3EDGE_INT4_ROWS=N streams every INT4 matmul of 2..N rows (to measure).
+
+    On the H200 (tools/bench_gemv_rows.py --rows 2,4,8,16 --variants default,rows,cublas;
+    docs/results/gpu-2026-12-02d/rows-stream-first-form.json), µs a call at 2 rows against the tensor-core
+    tiles and cuBLAS on the dense weight: llama-1b gate/up 17.2 / 21.6 / 18.1, LM head 120.3 / 149.8 /
+    127.9, tinyllama's LM head 31.5 / 41.1 / 35.3; narrower or longer layers lost (llama-1b down 18.0 /
+    14.6, tinyllama gate/up 16.5 / 16.1), and every layer lost from 4 rows (each row's activations are
+    made into words inside the row loop: ~5 µs a row on tinyllama's gate/up)."""
+    forced = os.environ.get("O3EDGE_INT4_ROWS")
+    if forced is not None and forced.isdigit():
+        return 1 < M <= min(int(forced), 16)
+    return M == 2 and N >= 16384
+
+
 def int4_register_cap(M: int, warps: int, programs: int, sms: int) -> dict:
     """Launch options capping the registers of an INT4 tile of 2-31 rows (not a multiple of 16) at 128 a
     thread, so that four programs of four warps fit an SM at once, where the grid is more than one wave
@@ -488,6 +616,8 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) ->
     (tools/bench_gemv.py --grid: docs/results/gpu-2026-11-30/gemv-grid*.json, then
     docs/results/gpu-2026-12-01/gemv-grid-stream*.json), as rules by shape. O3EDGE_GEMV_STREAM=0 turns
     streaming off (to measure against)."""
+    if M > 1 and int4 and rows_int4(M, N):  # streamed rows (rows_int4): fifth entry, programs per SM
+        return (8, 1024, 1, 4, 4) if K >= 4096 else (16, 512, 1, 4, 4)
     if M > 1 and int4 and asm:  # the packed dequantize (asm_int4), sixth entry: pipeline stages
         wide = N >= 8192
         if M >= 32:  # swapped (swap_int4)
@@ -569,6 +699,17 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
             PDL=on, INT4=int4, GROUP=max(group_size, 1), PACKED=int4 and packed_int4(x), num_warps=warps,
             **pdl.launch_options(on))
         return (out, x if residual is None else res_out) if pro == PRO_NORM else out
+    if streamed and streamed[0] and int4:  # several rows of INT4 weights, streamed (rows_int4)
+        if pro != PRO_NONE or M > 16:
+            raise ValueError(f"streamed INT4 tiles of several rows take no prologue and at most 16 rows, got {M}")
+        blocks = triton.cdiv(N, block_n)
+        programs = min(blocks, sms * streamed[0])
+        _rows_stream_kernel[(programs,)](
+            x, weight, scales_and_zeros, bias, out, N, K, x.stride(0), weight.stride(0), N, ROWS=M,
+            BLOCK_M=max(2, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+            K_TILES=triton.cdiv(K, block_k), BLOCKS=triton.cdiv(blocks, programs), PDL=on, GROUP=max(group_size, 1),
+            PACKED=packed_int4(x), num_warps=warps, **pdl.launch_options(on))
+        return out
     k_per_split = -(-K // (splits * block_k)) * block_k
     iters = k_per_split // block_k
     grid = (triton.cdiv(N, block_n), splits)
