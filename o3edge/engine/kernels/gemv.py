@@ -408,6 +408,15 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
 
 
 @triton.jit
+def _next_tile(rn, kt: tl.constexpr, programs, K_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(rows, first column) of the tile a stream loads while tile kt of row block rn is used: this block's next
+    columns, or the next block's first."""
+    if kt + 1 < K_TILES:
+        return rn, (kt + 1) * BLOCK_K
+    return rn + programs * BLOCK_N, 0
+
+
+@triton.jit
 def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.constexpr,
                        stride_x, stride_w, eps, PRO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        K_TILES: tl.constexpr, BLOCKS: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
@@ -438,10 +447,7 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
         acc = tl.zeros([BLOCK_N], tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for kt in tl.static_range(K_TILES):
-            if kt + 1 < K_TILES:  # the next tile: this block's next columns, or the next block's first
-                rn2, k2 = rn, (kt + 1) * BLOCK_K
-            else:
-                rn2, k2 = rn + programs * BLOCK_N, 0
+            rn2, k2 = _next_tile(rn, kt, programs, K_TILES, BLOCK_N, BLOCK_K)
             x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kt * BLOCK_K + tl.arange(0, BLOCK_K), K, stride_x,
                             rstd, PRO, dtype)
             if INT4:
@@ -485,10 +491,7 @@ def _rows_stream_kernel(x_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.conste
         rn = (pid + b * programs) * BLOCK_N + rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kt in tl.static_range(K_TILES):
-            if kt + 1 < K_TILES:  # the next tile: this block's next columns, or the next block's first
-                rn2, k2 = rn, (kt + 1) * BLOCK_K
-            else:
-                rn2, k2 = rn + programs * BLOCK_N, 0
+            rn2, k2 = _next_tile(rn, kt, programs, K_TILES, BLOCK_N, BLOCK_K)
             q, sc, zr = q_next, s_next, z_next
             q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP, BLOCK_K,
                                                     PACKED)
