@@ -3,7 +3,8 @@
 At batch 1-64 a decode step's linear layers are bound by the bytes of their weights: the GPU's job is
 to stream every weight byte once at full bandwidth. Here each program owns a thin slice of output
 rows, loads its whole weight slice in wide tiles (many bytes in flight per SM), and multiplies it with
-the step's few activation rows: elementwise at one row, on the tensor cores (rows padded to a power of 2 >= 16) above.
+the step's few activation rows: elementwise at one row (and at two rows of a wide INT4 weight, each tile
+dequantized once for both: rows_int4), on the tensor cores (rows padded to a power of 2 >= 16) above.
 
 The op that produces the activations is done inside the same kernel, on the fly, so it costs no
 launch and no round trip through memory:
