@@ -13,6 +13,7 @@ carries it to machines without the sources (the GPU machine):
 
   python tools/reference_corpus.py pack .corpus/reference-corpus.jsonl.xz
   python tools/reference_corpus.py pack .corpus/reference-corpus-long.jsonl.xz --sources docs,stdlib,src
+  python tools/reference_corpus.py pack --held-out   # only the held-out documents (~120 kB): for benchmarks
 """
 
 from __future__ import annotations
@@ -183,9 +184,13 @@ def main():
     ap.add_argument("command", choices=["pack", "stats"])
     ap.add_argument("path", nargs="?", default=DEFAULT_PACK)
     ap.add_argument("--sources", default="docs,stdlib", help="comma list of docs, stdlib, src")
+    ap.add_argument("--held-out", action="store_true",
+                    help="pack: only the held-out documents (what the benchmarks read; a small pack to carry)")
     a = ap.parse_args()
     sources = tuple(a.sources.split(","))
     docs = collect(sources) if a.command == "pack" else load(a.path, sources)
+    if a.held_out:
+        docs = split(docs)[2]  # the split is by path: a pack of these holds out the same documents
     for name, part in zip(("train", "validation", "held-out"), split(docs)):
         by_source = {}
         for p, t in part.items():
