@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""INT4 tiles of a few rows on the GPU: why 2-8 rows take longer than 16.
+"""INT4 matmuls of a few rows on the GPU: the ways of running them, side by side.
 
 For each INT4 layer of a decode step (gate/up, down, LM head; tinyllama-1.1b and llama-1b shapes) at
---rows activation rows, times the skinny kernel (kernels/gemv.py, the planned tiling, op before not
-fused, as the decode step calls it above one row) in these ways:
+--rows activation rows, times the skinny matmul (kernels/gemv.py, the planned kernel and tiling, op
+before not fused, as the decode step calls it above one row) in these ways:
   default  as the engine calls it: M rows, M a runtime argument;
   nospec   M never specialized (Triton treats an integer argument divisible by 16 as such: at 16 rows
            `default` compiles another kernel than at 2-8);
