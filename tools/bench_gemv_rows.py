@@ -11,12 +11,13 @@ before not fused, as the decode step calls it above one row) in these ways:
   cap128   as called, with O3EDGE_INT4_MAXNREG=1 (registers capped at 128: four programs an SM);
   rows     as called, with O3EDGE_INT4_ROWS=16: 2-16 rows streamed without the tensor cores (rows_int4);
            rows-BNxBKxWxP the same on a given tiling (BLOCK_N, BLOCK_K, warps, programs per SM);
+  unroll   as `rows`, the row loop unrolled (O3EDGE_INT4_ROWS_UNROLL=1; unroll-BNxBKxWxP on a tiling);
   tiles    as called, with O3EDGE_INT4_ROWS=0: never streamed (the tensor-core tiles);
   cublas   the same layer's dense weight on cuBLAS (F.linear), for scale.
 Each timing replays a CUDA graph over >= 512 MB of weight copies (tools/bench_gemv.py time_graph), so
 nothing is served from L2.
 
-  python tools/bench_gemv_rows.py [--rows 2,8,16] [--variants default,nospec,pad16,cap128,rows,tiles,cublas] [--json OUT]
+  python tools/bench_gemv_rows.py [--rows 2,8,16] [--variants default,nospec,pad16,cap128,rows,unroll,tiles,cublas] [--json OUT]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tools.bench_gemv as bg  # noqa: E402
 from o3edge.engine.kernels import gemv  # noqa: E402
 
-VARIANTS = ("default", "nospec", "pad16", "cap128", "rows", "tiles", "cublas")
+VARIANTS = ("default", "nospec", "pad16", "cap128", "rows", "unroll", "tiles", "cublas")
 
 
 def time_variant(case: bg.Case, variant: str) -> float | None:
@@ -59,10 +60,12 @@ def time_variant(case: bg.Case, variant: str) -> float | None:
     config = None
     if variant == "tiles":
         os.environ["O3EDGE_INT4_ROWS"] = "0"
-    if variant.startswith("rows"):
+    if variant.startswith(("rows", "unroll")):
         if M > 16:
             return None
         os.environ["O3EDGE_INT4_ROWS"] = "16"
+        if variant.startswith("unroll"):
+            os.environ["O3EDGE_INT4_ROWS_UNROLL"] = "1"
         if "-" in variant:  # rows-BNxBKxWxP
             bn, bk, warps, per_sm = (int(v) for v in variant.split("-")[1].split("x"))
             config = (bn, bk, 1, warps, per_sm)
@@ -73,6 +76,7 @@ def time_variant(case: bg.Case, variant: str) -> float | None:
         gemv._skinny_kernel = original
         os.environ.pop("O3EDGE_INT4_MAXNREG", None)
         os.environ.pop("O3EDGE_INT4_ROWS", None)
+        os.environ.pop("O3EDGE_INT4_ROWS_UNROLL", None)
 
 
 def main() -> None:

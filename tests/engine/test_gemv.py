@@ -123,10 +123,12 @@ def test_streamed_int4_row_matches_the_dequantized_linear(dtype, pro, config):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [2, 5, 8])
 @pytest.mark.parametrize("config", [(8, 128, 1, 4, 1), (4, 256, 1, 4, 2)])  # 1 or 2 programs per SM
-def test_streamed_int4_rows_match_the_dequantized_linear(dtype, M, config, monkeypatch):
+@pytest.mark.parametrize("unroll", ["0", "1"])  # the rows in a loop, or unrolled
+def test_streamed_int4_rows_match_the_dequantized_linear(dtype, M, config, unroll, monkeypatch):
     """A few activation rows of INT4 weights streamed without the tensor cores (each tile dequantized once,
     then used by every row), at a K that is not a whole number of tiles; and the planned tiling."""
     monkeypatch.setenv("O3EDGE_INT4_ROWS", "8")
+    monkeypatch.setenv("O3EDGE_INT4_ROWS_UNROLL", unroll)
     N, K, group = 72, 320, 64
     g, x, w = _data(M, N, K, dtype, 13 + M)
     qw, sz = quantize_int4(w.float().cpu(), group)
@@ -185,9 +187,11 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
                 _close(out, ref, dtype)
             monkeypatch.delenv("O3EDGE_INT4_SWAP")
         monkeypatch.setenv("O3EDGE_INT4_ROWS", "8")  # 2-8 rows streamed, no tensor cores (rows_int4)
-        for M in (2, 5, 8):
+        for M, unroll in itertools.product((2, 5, 8), ("0", "1")):  # the rows in a loop, or unrolled
+            monkeypatch.setenv("O3EDGE_INT4_ROWS_UNROLL", unroll)
             g, x, _ = _data(M, N, K, dtype, N + M)
             ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
             out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
             _close(out, ref, dtype)
         monkeypatch.delenv("O3EDGE_INT4_ROWS")
+        monkeypatch.delenv("O3EDGE_INT4_ROWS_UNROLL")

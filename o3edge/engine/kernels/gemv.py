@@ -471,10 +471,25 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
 
 
 @triton.jit
+def _row_into(acc, rm, m, x_ptr, k0, K, stride_x, t0, t1, t2, t3, scale, zero, GROUP: tl.constexpr,
+              BLOCK_K: tl.constexpr, PACKED: tl.constexpr, dtype: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] with activation row m's products with a dequantized tile added to its row m: the
+    tile as four words of half pairs (PACKED, _dequant_pairs) or as the even and odd columns' q - 8 (t0, t1)."""
+    one = tl.arange(0, 1)
+    x = _input_tile(x_ptr, None, None, one + m, one < 1, k0 + tl.arange(0, BLOCK_K), K, stride_x,
+                    tl.zeros([1], tl.float32), 0, dtype)
+    if PACKED:
+        part = _pairs_row_dot(x, t0, t1, t2, t3, scale, zero, GROUP, BLOCK_K)
+    else:
+        part = _int4_centered_dot(x, t0, t1, scale, zero, GROUP, BLOCK_K)
+    return tl.where(rm[:, None] == m, acc + part[None, :], acc)
+
+
+@triton.jit
 def _rows_stream_kernel(x_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.constexpr, stride_x, stride_w, stride_out,
                         ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         K_TILES: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr,
-                        PACKED: tl.constexpr):
+                        PACKED: tl.constexpr, UNROLL: tl.constexpr = False):
     """A few activation rows (ROWS) of INT4 weights without the tensor cores: row blocks streamed as in
     _row_stream_kernel, each tile dequantized once (PACKED: to words of half pairs, _dequant_pairs; under
     the interpreter, to float32 pairs) and multiplied with each row in turn, as the one-row kernel does
@@ -483,7 +498,6 @@ def _rows_stream_kernel(x_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.conste
     pid, programs = tl.program_id(0), tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
-    one = tl.arange(0, 1)
     rows = tl.arange(0, BLOCK_N)
     rn = pid * BLOCK_N + rows
     q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn, rn < N, 0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
@@ -497,17 +511,18 @@ def _rows_stream_kernel(x_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.conste
             q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP, BLOCK_K,
                                                     PACKED)
             if PACKED:
-                p0, p1, p2, p3 = _dequant_pairs(q, dtype)
+                t0, t1, t2, t3 = _dequant_pairs(q, dtype)
+            else:  # the even and odd columns' q - 8 (t2, t3 unused)
+                t0, t1 = _centered(q >> 4), _centered(q & 0xF)
+                t2, t3 = t0, t1
+            if UNROLL:  # every row's loads in one straight run of code (O3EDGE_INT4_ROWS_UNROLL=1, to measure)
+                for m in tl.static_range(ROWS):
+                    acc = _row_into(acc, rm, m, x_ptr, kt * BLOCK_K, K, stride_x, t0, t1, t2, t3, sc, zr, GROUP,
+                                    BLOCK_K, PACKED, dtype)
             else:
-                hi, lo = _centered(q >> 4), _centered(q & 0xF)
-            for m in range(ROWS):
-                x = _input_tile(x_ptr, None, None, one + m, one < 1, kt * BLOCK_K + tl.arange(0, BLOCK_K), K,
-                                stride_x, tl.zeros([1], tl.float32), 0, dtype)
-                if PACKED:
-                    part = _pairs_row_dot(x, p0, p1, p2, p3, sc, zr, GROUP, BLOCK_K)
-                else:
-                    part = _int4_centered_dot(x, hi, lo, sc, zr, GROUP, BLOCK_K)
-                acc = tl.where(rm[:, None] == m, acc + part[None, :], acc)
+                for m in range(ROWS):
+                    acc = _row_into(acc, rm, m, x_ptr, kt * BLOCK_K, K, stride_x, t0, t1, t2, t3, sc, zr, GROUP,
+                                    BLOCK_K, PACKED, dtype)
         if bias_ptr is not None:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -570,7 +585,9 @@ def rows_int4(M: int, N: int) -> bool:
     tiles and cuBLAS on the dense weight: llama-1b gate/up 17.2 / 21.6 / 18.1, LM head 120.3 / 149.8 /
     127.9, tinyllama's LM head 31.5 / 41.1 / 35.3; narrower or longer layers lost (llama-1b down 18.0 /
     14.6, tinyllama gate/up 16.5 / 16.1), and every layer lost from 4 rows (each row's activations are
-    made into words inside the row loop: ~5 µs a row on tinyllama's gate/up)."""
+    made into words inside the row loop: ~5 µs a row on tinyllama's gate/up). O3EDGE_INT4_ROWS_UNROLL=1
+    unrolls the row loop so that the rows' loads can overlap (prepared, not yet measured: compiled for sm_90 at
+    8 rows it takes 195 registers against 122, without spills)."""
     forced = os.environ.get("O3EDGE_INT4_ROWS")
     if forced is not None and forced.isdigit():
         return 1 < M <= min(int(forced), 16)
@@ -712,7 +729,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
             x, weight, scales_and_zeros, bias, out, N, K, x.stride(0), weight.stride(0), N, ROWS=M,
             BLOCK_M=max(2, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
             K_TILES=triton.cdiv(K, block_k), BLOCKS=triton.cdiv(blocks, programs), PDL=on, GROUP=max(group_size, 1),
-            PACKED=packed_int4(x), num_warps=warps, **pdl.launch_options(on))
+            PACKED=packed_int4(x), UNROLL=os.environ.get("O3EDGE_INT4_ROWS_UNROLL") == "1", num_warps=warps,
+            **pdl.launch_options(on))
         return out
     k_per_split = -(-K // (splits * block_k)) * block_k
     iters = k_per_split // block_k
