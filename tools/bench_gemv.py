@@ -61,8 +61,9 @@ def grid(M: int, int4: bool) -> list[tuple[int, ...]]:
     if M > MAX_ROWS:
         return []
     if int4 and os.environ.get("O3EDGE_INT4_ASM") != "0":  # packed dequantize: pipelined loads, stages tried too
+        # 16-row slices and 8 splits: more programs for the narrow layers (tinyllama's down at 32 rows: 256)
         return [(n, k, s, w, 0, st) for n, k, s, w, st in itertools.product(
-            (32, 64, 128), (128, 256), (1, 2, 4), (4, 8), (3, 4)) if not (n == 128 and w == 4)]
+            (16, 32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3, 4)) if not (n == 128 and w == 4)]
     if int4 and os.environ.get("O3EDGE_INT4_SWAP") == "1":  # (with O3EDGE_INT4_ASM=0) W @ x.T: 64 rows a warp group
         return (list(itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4), (4,)))
                 + list(itertools.product((128,), (64, 128, 256), (1, 2, 4), (8,))))
