@@ -17,7 +17,8 @@ before not fused, as the decode step calls it above one row) in these ways:
 Each timing replays a CUDA graph over >= 512 MB of weight copies (tools/bench_gemv.py time_graph), so
 nothing is served from L2.
 
-  python tools/bench_gemv_rows.py [--rows 2,8,16] [--variants default,nospec,pad16,cap128,rows,unroll,tiles,cublas] [--json OUT]
+  python tools/bench_gemv_rows.py [--rows 2,8,16] [--json OUT]
+         [--variants default,nospec,pad16,cap128,rows,unroll,tiles,cublas]
 """
 
 from __future__ import annotations

@@ -15,12 +15,13 @@ require_triton()
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _sass(*args):
+def _sass(*args, kernel="_skinny_kernel"):
+    """(registers, bytes spilled, the tool's report) of `kernel` as tools/kernel_sass.py compiles it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
     out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "kernel_sass.py"), *args], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    m = re.search(r"_skinny_kernel: (\d+) registers, (\d+) bytes spilled, \d+ B shared, (\d+) instructions", out.stdout)
+    m = re.search(rf"\b{kernel}: (\d+) registers, (\d+) bytes spilled, \d+ B shared, (\d+) instructions", out.stdout)
     assert m, out.stdout
     return int(m.group(1)), int(m.group(2)), out.stdout
 
@@ -48,15 +49,11 @@ def test_int4_tile_register_cap_fits_four_programs_an_sm(rows):
     assert _sass("gemv", "--rows", rows, "--dtype", "bfloat16")[0] > 128
 
 
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_streamed_int4_rows_compile_for_sm90_without_spilling(dtype):
     """Two rows of llama-1b's INT4 gate/up, as planned (rows_int4): streamed without the tensor cores, each
     tile dequantized to half pairs once and multiplied row by row on packed multiply-adds."""
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "kernel_sass.py"), "gemv", "--rows", "2",
-                          "--n", "16384", "--k", "2048", "--dtype", dtype], cwd=REPO, capture_output=True, text=True,
-                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    m = re.search(r"_rows_stream_kernel: (\d+) registers, (\d+) bytes spilled", out.stdout)
-    assert m and int(m.group(1)) <= 255 and int(m.group(2)) == 0, out.stdout
-    assert re.search(r"HFMA2 \d+", out.stdout), out.stdout
+    regs, spilled, text = _sass("gemv", "--rows", "2", "--n", "16384", "--k", "2048", "--dtype", dtype,
+                                kernel="_rows_stream_kernel")
+    assert regs <= 255 and spilled == 0, text
+    assert re.search(r"HFMA2 \d+", text), text

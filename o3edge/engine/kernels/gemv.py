@@ -229,9 +229,17 @@ def _int4_tile_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.const
 # halves (q - 8), in column order: per byte pair, a byte permute puts two nibbles in the two halves, one
 # logic op makes them 1024 + q (bf16: 128 + q), one packed subtract centers them. 1.5 instructions a
 # weight, against ~6 for nibble -> float32 one weight at a time.
-_DEQUANT_WORD = ("{\n.reg .b32 hi, d, w, c;\nmov.b32 c, CENTER;\nshr.u32 hi, $8, 4;\n" + "".join(
-    f"prmt.b32 d, hi, $8, 0x0{4 + i}0{i};\nlop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;\nsub.TYPE w, w, c;\n"
-    f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, w;\n" for i in range(4)) + "}")  # byte pair i: columns 2i, 2i + 1
+def _word_pairs(word: str, out) -> str:
+    """PTX that unpacks the int32 word operand `word` into four registers of two halves (q - 8), pair i
+    (columns 2i, low half, and 2i + 1) into out(i)'s register, then out(i)'s line, if any; registers hi, d, c
+    and the MAGIC / CENTER / TYPE placeholders as the templates below fill them."""
+    return (f"mov.b32 c, CENTER;\nshr.u32 hi, {word}, 4;\n" + "".join(
+        f"prmt.b32 d, hi, {word}, 0x0{4 + i}0{i};\nlop3.b32 {out(i)[0]}, d, 0x000F000F, MAGIC, 0xEA;\n"
+        f"sub.TYPE {out(i)[0]}, {out(i)[0]}, c;\n{out(i)[1]}" for i in range(4)))
+
+
+_DEQUANT_WORD = ("{\n.reg .b32 hi, d, w, c;\n"  # byte pair i: columns 2i, 2i + 1, as halves $2i, $2i+1
+                 + _word_pairs("$8", lambda i: ("w", f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, w;\n")) + "}")
 DEQUANT_WORD_F16 = tl.constexpr(_DEQUANT_WORD.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
                                 .replace("TYPE", "f16x2"))
 DEQUANT_WORD_BF16 = tl.constexpr(_DEQUANT_WORD.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
@@ -243,9 +251,7 @@ INTERPRETED = tl.constexpr(INTERPRET)
 # One int32 word of eight INT4 weights as four words of two halves (q - 8): word i holds columns 2i (low half)
 # and 2i + 1, the layout _pairs gives the activations. 13 instructions for eight weights, done once a tile
 # for both rows of _rows_stream_kernel.
-_DEQUANT_PAIRS = ("{\n.reg .b32 hi, d, c;\nmov.b32 c, CENTER;\nshr.u32 hi, $4, 4;\n" + "".join(
-    f"prmt.b32 d, hi, $4, 0x0{4 + i}0{i};\nlop3.b32 d, d, 0x000F000F, MAGIC, 0xEA;\nsub.TYPE ${i}, d, c;\n"
-    for i in range(4)) + "}")
+_DEQUANT_PAIRS = "{\n.reg .b32 hi, d, c;\n" + _word_pairs("$4", lambda i: (f"${i}", "")) + "}"
 DEQUANT_PAIRS_F16 = tl.constexpr(_DEQUANT_PAIRS.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
                                  .replace("TYPE", "f16x2"))
 DEQUANT_PAIRS_BF16 = tl.constexpr(_DEQUANT_PAIRS.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
@@ -707,9 +713,10 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     res_out = torch.empty_like(x) if pro == PRO_NORM and residual is not None else None
     on = pdl.enabled(str(x.device))
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    if streamed and streamed[0] and M == 1:
+    if streamed and streamed[0]:  # row blocks streamed on a few programs per SM
         blocks = triton.cdiv(N, block_n)
         programs = min(blocks, sms * streamed[0])
+    if streamed and streamed[0] and M == 1:
         if INTERPRET and config is None:  # each program recomputes the prologue's statistics: two programs
             programs = min(programs, 2)
         _row_stream_kernel[(programs,)](
@@ -723,8 +730,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     if streamed and streamed[0] and int4:  # several rows of INT4 weights, streamed (rows_int4)
         if pro != PRO_NONE or M > 16:
             raise ValueError(f"streamed INT4 tiles of several rows take no prologue and at most 16 rows, got {M}")
-        blocks = triton.cdiv(N, block_n)
-        programs = min(blocks, sms * streamed[0])
         _rows_stream_kernel[(programs,)](
             x, weight, scales_and_zeros, bias, out, N, K, x.stride(0), weight.stride(0), N, ROWS=M,
             BLOCK_M=max(2, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
