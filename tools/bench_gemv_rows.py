@@ -9,9 +9,10 @@ before not fused, as the decode step calls it above one row) in these ways:
            `default` compiles another kernel than at 2-8);
   pad16    the same M rows padded with zero rows to 16 (the kernel sees M = 16);
   cap128   as called, with O3EDGE_INT4_MAXNREG=1 (registers capped at 128: four programs an SM);
-  rows     as called, with O3EDGE_INT4_ROWS=16: 2-16 rows streamed without the tensor cores (rows_int4);
-           rows-BNxBKxWxP the same on a given tiling (BLOCK_N, BLOCK_K, warps, programs per SM);
-  unroll   as `rows`, the row loop unrolled (O3EDGE_INT4_ROWS_UNROLL=1; unroll-BNxBKxWxP on a tiling);
+  rows     as called, with O3EDGE_INT4_ROWS=16: 2-16 rows streamed without the tensor cores (rows_int4),
+           the rows in a loop (O3EDGE_INT4_ROWS_UNROLL=0); rows-BNxBKxWxP the same on a given tiling
+           (BLOCK_N, BLOCK_K, warps, programs per SM);
+  unroll   as `rows`, the row loop unrolled (the default at 2 rows; unroll-BNxBKxWxP on a tiling);
   tiles    as called, with O3EDGE_INT4_ROWS=0: never streamed (the tensor-core tiles);
   cublas   the same layer's dense weight on cuBLAS (F.linear), for scale.
 Each timing replays a CUDA graph over >= 512 MB of weight copies (tools/bench_gemv.py time_graph), so
@@ -65,8 +66,7 @@ def time_variant(case: bg.Case, variant: str) -> float | None:
         if M > 16:
             return None
         os.environ["O3EDGE_INT4_ROWS"] = "16"
-        if variant.startswith("unroll"):
-            os.environ["O3EDGE_INT4_ROWS_UNROLL"] = "1"
+        os.environ["O3EDGE_INT4_ROWS_UNROLL"] = "1" if variant.startswith("unroll") else "0"
         if "-" in variant:  # rows-BNxBKxWxP
             bn, bk, warps, per_sm = (int(v) for v in variant.split("-")[1].split("x"))
             config = (bn, bk, 1, warps, per_sm)

@@ -176,7 +176,7 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
             monkeypatch.setenv("O3EDGE_INT4_STREAM", stream)
             out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
             _close(out, ref, dtype)
-        for M, asm in itertools.product((8, 32), ("1", "0")):  # decode batches: planned tiles (W @ x.T where
+        for M, asm in itertools.product((2, 8, 32), ("1", "0")):  # decode batches: planned tiles (W @ x.T where
             monkeypatch.setenv("O3EDGE_INT4_ASM", asm)  # it pays), then never swapped; packed dequantize or not
             g, x, _ = _data(M, N, K, dtype, N + M)
             ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))

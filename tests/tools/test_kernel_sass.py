@@ -28,7 +28,9 @@ def _sass(*args, kernel="_skinny_kernel"):
 
 @pytest.mark.parametrize("asm", ["0", "1"])
 def test_int4_tile_compiles_for_sm90_without_spilling(asm):
-    regs, spilled, text = _sass("gemv", "--rows", "8", "--env", f"O3EDGE_INT4_ASM={asm}")  # tinyllama gate/up
+    # tinyllama gate/up, one program a 32-output slice over all of K (eight splits, as planned, leave each
+    # program one tile: nothing to pipeline)
+    regs, spilled, text = _sass("gemv", "--rows", "8", "--config", "32,256,1,4", "--env", f"O3EDGE_INT4_ASM={asm}")
     assert 0 < regs <= 255 and spilled == 0
     assert "cp.async" in text  # the weight tiles' loads are software-pipelined
     packed = re.search(r"HFMA2 (\d+)", text)  # the word path scales eight halves with packed FMAs
@@ -37,16 +39,16 @@ def test_int4_tile_compiles_for_sm90_without_spilling(asm):
 
 @pytest.mark.parametrize("rows", ["2", "8"])
 def test_int4_tile_register_cap_fits_four_programs_an_sm(rows):
-    """llama-1b's INT4 gate/up tile of 2-8 rows (512 programs: more than a wave at three an SM) is capped at
-    128 registers a thread (four programs of four warps an SM, as the 16-row tile Triton specializes),
-    without spilling; without the cap (O3EDGE_INT4_MAXNREG=0) it takes more. tinyllama's (352 programs,
-    one wave either way) is left alone."""
-    shape = ("gemv", "--rows", rows, "--n", "16384", "--k", "2048", "--dtype", "bfloat16",
-             "--env", "O3EDGE_INT4_ROWS=0")  # the tiles, not two rows streamed (rows_int4)
+    """An INT4 LM head's tile of 2-8 rows (tinyllama's 32,000 outputs: 1,000 programs, more than a wave at
+    three an SM) is capped at 128 registers a thread (four programs of four warps an SM, as the 16-row tile
+    Triton specializes), without spilling; without the cap (O3EDGE_INT4_MAXNREG=0) it takes more. The same
+    tiling over tinyllama's gate/up (352 programs, one wave either way) is left alone."""
+    tiles = ("--dtype", "bfloat16", "--env", "O3EDGE_INT4_ROWS=0")  # the tiles, not two rows streamed (rows_int4)
+    shape = ("gemv", "--rows", rows, "--n", "32000", "--k", "2048", *tiles)
     capped, spilled, _ = _sass(*shape)
     free, _, _ = _sass(*shape, "--env", "O3EDGE_INT4_MAXNREG=0")
     assert capped <= 128 and spilled == 0 and free > 128
-    assert _sass("gemv", "--rows", rows, "--dtype", "bfloat16")[0] > 128
+    assert _sass("gemv", "--rows", rows, "--config", "32,256,1,4", *tiles)[0] > 128
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

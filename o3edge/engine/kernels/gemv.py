@@ -521,7 +521,7 @@ def _rows_stream_kernel(x_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.conste
             else:  # the even and odd columns' q - 8 (t2, t3 unused)
                 t0, t1 = _centered(q >> 4), _centered(q & 0xF)
                 t2, t3 = t0, t1
-            if UNROLL:  # every row's loads in one straight run of code (O3EDGE_INT4_ROWS_UNROLL=1, to measure)
+            if UNROLL:  # every row's loads in one straight run of code (O3EDGE_INT4_ROWS_UNROLL=0: a loop)
                 for m in tl.static_range(ROWS):
                     acc = _row_into(acc, rm, m, x_ptr, kt * BLOCK_K, K, stride_x, t0, t1, t2, t3, sc, zr, GROUP,
                                     BLOCK_K, PACKED, dtype)
@@ -583,21 +583,20 @@ def stream_int4(N: int, K: int) -> bool:
 def rows_int4(M: int, N: int) -> bool:
     """Whether an INT4 matmul of M > 1 rows streams its row blocks without the tensor cores
     (_rows_stream_kernel: each tile dequantized once, then multiplied with each row on the packed
-    half-precision units): two rows of a wide weight (N >= 16,384: llama-1b's gate/up, LM heads), unless
-    O3EDGE_INT4_ROWS=0; O3EDGE_INT4_ROWS=N streams every INT4 matmul of 2..N rows (to measure).
+    half-precision units, the row loop unrolled so that the rows' loads overlap): every INT4 matmul of two
+    rows, unless O3EDGE_INT4_ROWS=0; O3EDGE_INT4_ROWS=N streams every INT4 matmul of 2..N rows (to
+    measure), O3EDGE_INT4_ROWS_UNROLL=0 keeps the row loop.
 
-    On the H200 (tools/bench_gemv_rows.py --rows 2,4,8,16 --variants default,rows,cublas;
-    docs/results/gpu-2026-12-02d/rows-stream-first-form.json), µs a call at 2 rows against the tensor-core
-    tiles and cuBLAS on the dense weight: llama-1b gate/up 17.2 / 21.6 / 18.1, LM head 120.3 / 149.8 /
-    127.9, tinyllama's LM head 31.5 / 41.1 / 35.3; narrower or longer layers lost (llama-1b down 18.0 /
-    14.6, tinyllama gate/up 16.5 / 16.1), and every layer lost from 4 rows (each row's activations are
-    made into words inside the row loop: ~5 µs a row on tinyllama's gate/up). O3EDGE_INT4_ROWS_UNROLL=1
-    unrolls the row loop so that the rows' loads can overlap (prepared, not yet measured: compiled for sm_90 at
-    8 rows it takes 195 registers against 122, without spills)."""
+    On the H200 (tools/bench_gemv_rows.py --rows 2 --variants tiles,default,cublas;
+    docs/results/gpu-2026-12-02e/rows2-unrolled.json), µs a call at 2 rows, streamed / the tensor-core tiles
+    / cuBLAS on the dense weight: tinyllama gate/up 10.6 / 14.2 / 13.7, down 6.5 / 9.8 / 10.4, LM head
+    26.9 / 41.1 / 35.8; llama-1b 14.3 / 19.3 / 18.2, 8.8 / 12.0 / 13.3, 104.5 / 149.1 / 127.4. From 4 rows
+    the tiles win (rows-unroll-partial.txt: llama-1b gate/up at 4 rows 26.8 at best against 21.6; each
+    row's activations are made into words inside the row loop)."""
     forced = os.environ.get("O3EDGE_INT4_ROWS")
     if forced is not None and forced.isdigit():
         return 1 < M <= min(int(forced), 16)
-    return M == 2 and N >= 16384
+    return M == 2
 
 
 def int4_register_cap(M: int, warps: int, programs: int, sms: int) -> dict:
@@ -644,12 +643,9 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) ->
     docs/results/gpu-2026-12-01/gemv-grid-stream*.json), as rules by shape. O3EDGE_GEMV_STREAM=0 turns
     streaming off (to measure against)."""
     if M > 1 and int4 and rows_int4(M, N):  # streamed rows (rows_int4): fifth entry, programs per SM
-        return (8, 1024, 1, 4, 4) if K >= 4096 else (16, 512, 1, 4, 4)
+        return (8, 2048, 1, 8, 4) if K >= 4096 else (8, 1024, 1, 4, 4)
     if M > 1 and int4 and asm:  # the packed dequantize (asm_int4), sixth entry: pipeline stages
-        wide = N >= 8192
-        if M >= 32:  # swapped (swap_int4)
-            return (64, 256, 1, 4, 0, 3) if wide else (32, 256, 4, 4, 0, 3)
-        return (32, 256, 1, 4) if wide else (64, 256, 4, 8, 0, 4)
+        return _asm_tiling(M, N)
     if M > 1 and int4 and swap_int4(M, N):  # weight rows are the dot's rows: 64-128 of them a program
         wide = N >= 8192
         if M >= 32:
@@ -677,6 +673,25 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) ->
     if N >= 8192:
         return (16, block_k, 1, 4) if int4 else (8, block_k, 1, 4)
     return 4, block_k, 1, 8
+
+
+def _asm_tiling(M: int, N: int) -> tuple[int, ...]:
+    """plan() for INT4 tiles of 2-64 rows dequantized a word at a time (asm_int4). 2-16 rows run one
+    16-row tile (Triton pads to it), so the best tilings at 8 rows hold there; at 32 the tiles are swapped
+    (swap_int4). H200 grid (tools/bench_gemv.py --grid --rows 8,32 --weights int4 --layers down,gate_up,
+    op before included; docs/results/gpu-2026-12-02e/grid-int4.json), µs, the tiling before -> this one:
+    down (N < 8,192) at 8 rows tinyllama 13.3 -> 11.3, llama-1b 16.1 -> 13.6, at 32 rows 15.3 -> 12.3 and
+    19.6 -> 14.6: eight splits of K, so that 256 programs share its 2,048 output columns; gate/up at 8
+    rows 17.3 -> 15.7 and 22.9 -> 20.9 (eight splits, eight warps); at 32 as before (18.4, 19.4). LM heads
+    (N > 16,384) and 17-31 or 33-64 rows keep the tilings of the grids before (gpu-2026-12-01e)."""
+    wide = N >= 8192
+    if M == 32:
+        return (64, 256, 1, 4, 0, 3) if wide else (64, 256, 8, 4, 0, 3)
+    if M > 16 or N > 16384:  # not in that grid: the tilings before
+        if M >= 32:  # swapped (swap_int4)
+            return (64, 256, 1, 4, 0, 3) if wide else (32, 256, 4, 4, 0, 3)
+        return (32, 256, 1, 4) if wide else (64, 256, 4, 8, 0, 4)
+    return (64, 256, 8, 8, 0, 4) if wide else (64, 256, 8, 4, 0, 3)
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: torch.Tensor | None = None,
@@ -734,7 +749,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
             x, weight, scales_and_zeros, bias, out, N, K, x.stride(0), weight.stride(0), N, ROWS=M,
             BLOCK_M=max(2, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
             K_TILES=triton.cdiv(K, block_k), BLOCKS=triton.cdiv(blocks, programs), PDL=on, GROUP=max(group_size, 1),
-            PACKED=packed_int4(x), UNROLL=os.environ.get("O3EDGE_INT4_ROWS_UNROLL") == "1", num_warps=warps,
+            PACKED=packed_int4(x), UNROLL=os.environ.get("O3EDGE_INT4_ROWS_UNROLL") != "0", num_warps=warps,
             **pdl.launch_options(on))
         return out
     k_per_split = -(-K // (splits * block_k)) * block_k
