@@ -580,7 +580,7 @@ def stream_int4(N: int, K: int) -> bool:
     return forced == "1" or N >= 8192 or K >= 4096
 
 
-def rows_int4(M: int, N: int) -> bool:
+def rows_int4(M: int) -> bool:
     """Whether an INT4 matmul of M > 1 rows streams its row blocks without the tensor cores
     (_rows_stream_kernel: each tile dequantized once, then multiplied with each row on the packed
     half-precision units, the row loop unrolled so that the rows' loads overlap): every INT4 matmul of two
@@ -642,7 +642,7 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) ->
     (tools/bench_gemv.py --grid: docs/results/gpu-2026-11-30/gemv-grid*.json, then
     docs/results/gpu-2026-12-01/gemv-grid-stream*.json), as rules by shape. O3EDGE_GEMV_STREAM=0 turns
     streaming off (to measure against)."""
-    if M > 1 and int4 and rows_int4(M, N):  # streamed rows (rows_int4): fifth entry, programs per SM
+    if M > 1 and int4 and rows_int4(M):  # streamed rows (rows_int4): fifth entry, programs per SM
         return (8, 2048, 1, 8, 4) if K >= 4096 else (8, 1024, 1, 4, 4)
     if M > 1 and int4 and asm:  # the packed dequantize (asm_int4), sixth entry: pipeline stages
         return _asm_tiling(M, N)
