@@ -51,6 +51,14 @@ def test_int4_tile_register_cap_fits_four_programs_an_sm(rows):
     assert _sass("gemv", "--rows", rows, "--config", "32,256,1,4", *tiles)[0] > 128
 
 
+def test_int4_register_cap_can_be_set_for_any_tile_to_measure():
+    """O3EDGE_INT4_MAXNREG=R caps every INT4 tile of several rows at R registers (the 32-row swapped tile
+    takes more than 200 uncapped), the measurement behind benchmarks.md's 32-row note."""
+    shape = ("gemv", "--rows", "32", "--n", "11264", "--k", "2048", "--config", "64,256,2,4")
+    assert _sass(*shape)[0] > 200
+    assert _sass(*shape, "--env", "O3EDGE_INT4_MAXNREG=168")[0] <= 168
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_streamed_int4_rows_compile_for_sm90_without_spilling(dtype):
     """Two rows of llama-1b's INT4 gate/up, as planned (rows_int4): streamed without the tensor cores, each

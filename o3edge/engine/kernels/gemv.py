@@ -602,7 +602,8 @@ def rows_int4(M: int) -> bool:
 def int4_register_cap(M: int, warps: int, programs: int, sms: int) -> dict:
     """Launch options capping the registers of an INT4 tile of 2-31 rows (not a multiple of 16) at 128 a
     thread, so that four programs of four warps fit an SM at once, where the grid is more than one wave
-    at three an SM. O3EDGE_INT4_MAXNREG=0 never caps, =1 caps every such tile whatever its grid.
+    at three an SM. O3EDGE_INT4_MAXNREG=0 never caps, =1 caps every such tile whatever its grid, =R (32 or
+    more) caps every INT4 tile of several rows at R registers (to measure).
 
     Compiled for sm_90 (tools/kernel_sass.py gemv --rows 8 --n 16384 --k 2048 --dtype bfloat16), the tile of
     2-8 rows takes 136 registers (tinyllama's gate/up 144): three programs an SM. With 16 rows Triton
@@ -612,6 +613,8 @@ def int4_register_cap(M: int, warps: int, programs: int, sms: int) -> dict:
     41.0; but tinyllama's gate/up (352 programs, one wave either way) 16.1 -> 21.3, hence the grid rule.
     Whole generations, llama-1b bf16 INT4-FFN + INT4 LM head at batch 8: 6,318 -> 6,888 tok/s (same call)."""
     forced = os.environ.get("O3EDGE_INT4_MAXNREG")
+    if forced is not None and forced.isdigit() and int(forced) >= 32 and M > 1 and not INTERPRET:
+        return {"maxnreg": int(forced)}
     if forced == "0" or not 1 < M < 32 or M % 16 == 0 or warps != 4 or INTERPRET:
         return {}
     return {"maxnreg": 128} if forced == "1" or programs > 3 * sms else {}
