@@ -3,7 +3,7 @@
 At batch 1-64 a decode step's linear layers are bound by the bytes of their weights: the GPU's job is
 to stream every weight byte once at full bandwidth. Here each program owns a thin slice of output
 rows, loads its whole weight slice in wide tiles (many bytes in flight per SM), and multiplies it with
-the step's few activation rows: elementwise at one row (and at two rows of a wide INT4 weight, each tile
+the step's few activation rows: elementwise at one row (and at two rows of an INT4 weight, each tile
 dequantized once for both: rows_int4), on the tensor cores (rows padded to a power of 2 >= 16) above.
 
 The op that produces the activations is done inside the same kernel, on the fly, so it costs no
@@ -611,7 +611,9 @@ def int4_register_cap(M: int, warps: int, programs: int, sms: int) -> dict:
     (tools/bench_gemv_rows.py, docs/results/gpu-2026-12-02d/rows.json), at 2 and 8 rows: llama-1b gate/up
     (512 programs) 29.6 -> 21.6 us, its LM head (4,008) 156.3 -> 147.9, tinyllama's LM head (1,000) 43.5 ->
     41.0; but tinyllama's gate/up (352 programs, one wave either way) 16.1 -> 21.3, hence the grid rule.
-    Whole generations, llama-1b bf16 INT4-FFN + INT4 LM head at batch 8: 6,318 -> 6,888 tok/s (same call)."""
+    Whole generations, llama-1b bf16 INT4-FFN + INT4 LM head at batch 8: 6,318 -> 6,888 tok/s (same call).
+    Since then the FFN's tiles of 2-16 rows run on eight warps (_asm_tiling) and are not capped; the cap
+    still applies to INT4 LM heads and to tiles of 17-31 rows."""
     forced = os.environ.get("O3EDGE_INT4_MAXNREG")
     if forced is not None and forced.isdigit() and int(forced) >= 32 and M > 1 and not INTERPRET:
         return {"maxnreg": int(forced)}
@@ -637,8 +639,9 @@ def swap_int4(M: int, N: int) -> bool:
 
 def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) -> tuple[int, ...]:
     """(BLOCK_N, BLOCK_K, splits, num_warps[, programs per SM[, pipeline stages]]) for an M x K by K x N
-    skinny matmul; a fifth entry streams one row (_row_stream_kernel) on that many programs per SM (dense
-    weights; INT4 where stream_int4 says), a sixth sets the software pipeline's stages.
+    skinny matmul; a fifth entry streams one row (_row_stream_kernel; dense weights, INT4 where stream_int4
+    says) or two INT4 rows (_rows_stream_kernel, rows_int4) on that many programs per SM, a sixth sets the
+    software pipeline's stages.
 
     At one row: wide K tiles (1,024-2,048 columns) over thin row slices, so each SM has many weight bytes
     in flight; dense weights stream on 6-8 programs per SM. The best tilings of H200 grid searches
@@ -688,11 +691,9 @@ def _asm_tiling(M: int, N: int) -> tuple[int, ...]:
     rows 17.3 -> 15.7 and 22.9 -> 20.9 (eight splits, eight warps); at 32 as before (18.4, 19.4). LM heads
     (N > 16,384) and 17-31 or 33-64 rows keep the tilings of the grids before (gpu-2026-12-01e)."""
     wide = N >= 8192
-    if M == 32:
-        return (64, 256, 1, 4, 0, 3) if wide else (64, 256, 8, 4, 0, 3)
+    if M >= 32:  # swapped (swap_int4); the narrow tiling of 33-64 rows is the one before
+        return (64, 256, 1, 4, 0, 3) if wide else (64, 256, 8, 4, 0, 3) if M == 32 else (32, 256, 4, 4, 0, 3)
     if M > 16 or N > 16384:  # not in that grid: the tilings before
-        if M >= 32:  # swapped (swap_int4)
-            return (64, 256, 1, 4, 0, 3) if wide else (32, 256, 4, 4, 0, 3)
         return (32, 256, 1, 4) if wide else (64, 256, 4, 8, 0, 4)
     return (64, 256, 8, 8, 0, 4) if wide else (64, 256, 8, 4, 0, 3)
 
@@ -721,7 +722,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     sms = num_sms(str(x.device))
     asm = int4 and M > 1 and asm_int4(x)
     block_n, block_k, splits, warps, *extra = config or plan(M, N, K, int4, sms, asm)
-    streamed = extra[:1]  # a fifth entry: programs per SM of the one-row stream; a sixth: software pipeline stages
+    per_sm = extra[0] if extra else 0  # a fifth entry: programs per SM of a stream; a sixth: pipeline stages
     stages = {"num_stages": extra[1]} if len(extra) > 1 and extra[1] else {}
     if INTERPRET and config is None:  # Triton's interpreter (CPU tests): fewer, wider programs run faster
         block_n = max(block_n, min(64, triton.next_power_of_2(N)))
@@ -731,10 +732,10 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     res_out = torch.empty_like(x) if pro == PRO_NORM and residual is not None else None
     on = pdl.enabled(str(x.device))
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    if streamed and streamed[0]:  # row blocks streamed on a few programs per SM
+    if per_sm:  # row blocks streamed on a few programs per SM
         blocks = triton.cdiv(N, block_n)
-        programs = min(blocks, sms * streamed[0])
-    if streamed and streamed[0] and M == 1:
+        programs = min(blocks, sms * per_sm)
+    if per_sm and M == 1:
         if INTERPRET and config is None:  # each program recomputes the prologue's statistics: two programs
             programs = min(programs, 2)
         _row_stream_kernel[(programs,)](
@@ -745,7 +746,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
             PDL=on, INT4=int4, GROUP=max(group_size, 1), PACKED=int4 and packed_int4(x), num_warps=warps,
             **pdl.launch_options(on))
         return (out, x if residual is None else res_out) if pro == PRO_NORM else out
-    if streamed and streamed[0] and int4:  # several rows of INT4 weights, streamed (rows_int4)
+    if per_sm and int4:  # several rows of INT4 weights, streamed (rows_int4)
         if pro != PRO_NONE or M > 16:
             raise ValueError(f"streamed INT4 tiles of several rows take no prologue and at most 16 rows, got {M}")
         _rows_stream_kernel[(programs,)](
