@@ -14,7 +14,7 @@ installed, are better: cProfile slows small functions most).
                                   [--repeat 3] [--profile] [--window-detok] [--refresh-steps N]
 
 Each run also reports the median host step by kind: the router's refresh steps, the steps after them
-(which carry out the demotions a refresh planned) and the others.
+(which plan the refresh's demotions), the steps that carry out a share of those, and the others.
 
 Prompts are held-out stdlib docstrings on the built-in long-context reference model (the same as
 `tools/bench_router.py --gpu --shape model`). With the forward stubbed no attention is observed, so a

@@ -371,12 +371,15 @@ def uncaptured_graphs(eng: LLMEngine, batch: int):
 
 def step_kind(router, last: str | None) -> str:
     """What the next engine step is for the router (None: off), given the last one's kind: a refresh (it
-    observes and routes), the step after one (it carries out the demotions the refresh planned), or another."""
+    observes), the step after one (it reads the saliency and plans the refresh's demotions), a step that
+    carries out a share of them (KVRouter.make_due), or another."""
     if router is None:
         return "other"
     if router.observing_now():
         return "refresh"
-    return "after refresh" if last == "refresh" else "other"
+    if last == "refresh":
+        return "after refresh"
+    return "demoting" if router.pending or router.due else "other"
 
 
 def gpu(a) -> dict:
@@ -532,6 +535,9 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"),
                     help="quality, --capacity: the engine's dtype (weights, activations, full-precision KV)")
     ap.add_argument("--tuned", action="store_true", help="also the router with threshold 0.5 and 32 recent tokens")
+    ap.add_argument("--thresholds", default="",
+                    help="also the tuned routers (4 sink, 32 recent tokens) at these thresholds "
+                         "(comma-separated: router-int8-t0.4, router-int4-t0.4, ...)")
     ap.add_argument("--refresh-steps", type=int, default=0,
                     help="also the routers refreshing every N decode steps (router-int8-refreshN, -int4-refreshN)")
     ap.add_argument("--floor", action="store_true",
@@ -559,6 +565,9 @@ def main(argv=None):
         SETTINGS.update(TUNED)
     if a.blocks:
         SETTINGS.update(BLOCKS)
+    for t in filter(None, a.thresholds.split(",")):
+        SETTINGS.update({f"router-{kv}-t{t}": dict(TUNED[f"router-{kv}-tuned"], router_threshold=float(t))
+                         for kv in ("int8", "int4")})
     if a.refresh_steps:
         SETTINGS.update({f"router-{kv}-refresh{a.refresh_steps}": dict(kv_router=kv,
                                                                         router_refresh_steps=a.refresh_steps)

@@ -230,6 +230,10 @@ class DecodeGraphs:
         """Hook: the step for batch is on the device (rows: the queued step's rows it took, None when
         launched now; index: those rows on the device when not all of them), the next not yet queued."""
 
+    def _taken(self, batch) -> None:
+        """Hook: the step for batch is taken and the next one queued when it could be (work queued here
+        runs on the device behind that one)."""
+
     def _select(self, rows: list[int]) -> torch.Tensor:
         """rows as an index tensor on the device, copied from pinned memory without a sync."""
         host = self.rows_host[self.num_selects % 2]
@@ -256,13 +260,16 @@ class DecodeGraphs:
                 logits = None if greedy_only else logits.index_select(0, index)
         self._ran(batch, rows, index)
         if not greedy_only:
+            self._taken(batch)
             return logits[:n], None
         if not (self.launch_ahead and self._continues(batch)):
+            self._taken(batch)
             return None if logits is None else logits[:n], tokens[:n].tolist()
         self.tokens_host[:n].copy_(tokens[:n], non_blocking=True)
         if self.tokens_ready is not None:
             self.tokens_ready.record()
         self._queued = self._launch(batch, B, ahead=1, tokens=tokens)  # step n+1 runs while we return
+        self._taken(batch)
         if self.tokens_ready is not None:
             self.tokens_ready.synchronize()
         picked = self.tokens_host[:n].tolist()

@@ -20,10 +20,12 @@ are cached after RoPE, so a block's place in either pool does not change what it
 block stays demoted while it lives; precision is a property of the block, so every sequence sharing
 it through the prefix cache reads the same compressed copy, and its hash does not change. A block
 another sequence also holds is not demoted (one sequence's saliency does not decide for the other).
-Routing decides in the step; the demotions are carried out when the engine marks the step's tokens
-computed (after the blocks sealed are named, so a named block's full-precision copy can be offered to
-the cold tier first), and a decode refresh's one step later, on every path: the graph path queues that
-next step behind the refresh step, over the block tables as they are (router_graph.py).
+A prompt's routing decides in its step; its demotions are carried out when the engine marks the step's
+tokens computed (after the blocks sealed are named, so a named block's full-precision copy can be
+offered to the cold tier first). A decode refresh's routing reads its saliency one step later, and its
+demotions are carried out in the step after that (make_due), on every path alike: the graph path
+queues the steps behind the refresh step over the block tables as they are, and carries the demotions
+out before it queues the next step (router_graph.py).
 
 Memory: the compressed pool lives in the full-precision pool's own bytes. A full-precision block can
 host `per_host` compressed blocks (codes only: INT8 2 and INT4 4 per bf16 block, twice that per
@@ -45,7 +47,8 @@ instead (router_graph.py); a refresh step's observation is that kernel's side ou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -64,6 +67,10 @@ class RouterConfig:
     refresh_steps: int = 32  # decode steps between routing passes
     obs_window: int = 32  # prompt queries observed at prefill
     select: str = "tokens"  # tokens | blocks: what covers the threshold (covering_blocks)
+    # a refresh's demotions are carried out over this many steps, a share a step (KVRouter.make_due); a
+    # measurement switch, O3EDGE_ROUTER_DEMOTION_STEPS=N: on the H200 spreading them over 4 or 8 steps was
+    # slower than all in one step (each share pays the quantization's fixed host cost; docs/benchmarks.md)
+    demotion_steps: int = field(default_factory=lambda: int(os.environ.get("O3EDGE_ROUTER_DEMOTION_STEPS", "1")))
 
 
 def on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -281,10 +288,15 @@ class KVRouter:
         self.books = SaliencyBooks(max_len or num_full_blocks * self.per_host * block_size, self.device)
         self.step_no = 0  # router steps so far: decode refreshes happen at the same steps for every sequence
         # seq_id -> (table index, block id) to demote: `plans` when this step's end carries them out,
-        # `pending` when they were planned in this step (carried out at the next step's end)
+        # `pending` when they were planned in this step (a refresh's: due from the next step)
         self.plans: dict[int, list[tuple[int, int]]] = {}
         self.pending: dict[int, list[tuple[int, int]]] = {}
+        # (seq_id, table index, block id): a refresh's due demotions not yet handed to `plans`, `share` of
+        # them a step (make_due), at most once a step (`released`: the step_no that last handed some over)
+        self.due: list[tuple[int, int, int]] = []
+        self.share, self.released = 0, -1
         self.prepared = None  # a graph step's routing started on the device (prepare_routing)
+        self.deferred = None  # a refresh's routing, planned at the next step's end: (routed, holds, done)
         self.moves: list[tuple[int, int]] = []  # (full-precision block, compressed block) to quantize (move)
         self.full_bytes_per_token = full_bytes_per_token
         self.comp_bytes_per_token = L * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
@@ -337,6 +349,8 @@ class KVRouter:
         self.books.release(seq_id)
         self.plans.pop(seq_id, None)
         self.pending.pop(seq_id, None)
+        if any(d[0] == seq_id for d in self.due):
+            self.due = [d for d in self.due if d[0] != seq_id]
 
     # ---- steps -----------------------------------------------------------------------------
     def begin_step(self, batch) -> RouterStep:
@@ -384,46 +398,77 @@ class KVRouter:
 
     def may_queue_next(self) -> bool:
         """Whether the graph path may queue the next step behind this one: not while demotions planned a step
-        ago wait (the next step must read the block tables they change; router_graph.py carries them out
-        first where it can)."""
+        ago wait to become due (the next step must read the block tables a due share changes;
+        router_graph.py makes them due and carries the share out first where it can)."""
         return not self.pending
 
     def end_step(self, batch) -> None:
-        """Route the sequences whose prompt just ended, and the decoding ones due for a refresh: plan the
-        demotions, which RouterBlocks.mark_computed carries out at the end of this step for a prompt and
-        of the next step for a refresh (so that the graph path can queue that step before this routing is
-        done; the graph path carries a refresh's out earlier in that next step, before it queues the one
-        after: router_graph.py). The demotions a refresh planned a step ago are due now."""
+        """Route the sequences whose prompt just ended, and the decoding ones due for a refresh. A prompt's
+        routing is planned now and carried out at this step's end (RouterBlocks.mark_computed: an eager
+        step, nothing queued behind it). A refresh's saliency is read one step later, on every path: at
+        the next step's end, when the graph path's reading of it (prepare_routing, queued behind the step
+        launched after the refresh step) is done, so that no step waits for it; its demotions are then
+        due from the step after that (make_due spreads them over `demotion_steps` steps)."""
         routed = self._routed(batch)
         prepared, self.prepared = self.prepared, None
-        self.step_no += 1
         self.make_due()
+        self.step_no += 1
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None:
+            self._plan(*deferred, self.pending)
         if not routed:
             return
-        bs, nf = self.block_size, self.num_full_blocks
         if prepared is not None and prepared[0] == [(seq.seq_id, ctx) for seq, ctx, _ in routed]:
             _, holds, done = prepared
+        else:
+            holds, done = self._held(routed).cpu(), None
+        prompt = [seq.num_output_tokens == 0 for seq, _, _ in routed]
+        if any(prompt):  # an eager step (holds are on the host)
             if done is not None:
                 done.synchronize()
-        else:
-            holds = self._held(routed).cpu()
+                done = None
+            self._plan([r for r, p in zip(routed, prompt) if p], holds[torch.tensor(prompt)], None, self.plans)
+        if not all(prompt):
+            later = torch.tensor([not p for p in prompt])
+            self.deferred = ([r for r, p in zip(routed, prompt) if not p], holds if all(later) else holds[later],
+                             done)
+
+    def _plan(self, routed, holds: torch.Tensor, done, books: dict) -> None:
+        """Plan the demotions of routed [(seq, context, book row)] from holds (_held's rows, on the host
+        once `done` is), into books (seq_id -> [(table index, block id)]); sequences that ended or were
+        preempted since are passed over."""
+        if done is not None:
+            done.synchronize()
+        bs, nf = self.block_size, self.num_full_blocks
         for (seq, ctx, _), held in zip(routed, holds.numpy()):
+            if seq.seq_id not in self.books.rows or len(seq.block_table) < ctx // bs:
+                continue
             table = seq.block_table[:ctx // bs]
             demoted = np.asarray(table) >= nf
             if self.cfg.select == "blocks":  # held: the sealed blocks' saliency, then the total (_held)
                 held = covering_blocks(held[:-1], held[-1], ctx, bs, self.cfg, demoted)
             plan = blocks_to_demote(held, ctx, bs, self.cfg, demoted)
-            if plan:  # a prompt's routing (an eager step, nothing queued behind it) is carried out now
-                books = self.plans if seq.num_output_tokens == 0 else self.pending
+            if plan:
                 books[seq.seq_id] = [(i, table[i]) for i in plan]
 
     def make_due(self) -> None:
-        """The demotions planned a step ago (a refresh's) become due: the block books carry them out next
-        (RouterBlocks.carry_out, at the end of this step or, on the graph path, before the next step is
-        queued: router_graph.py)."""
-        for seq_id, plan in self.pending.items():
-            self.plans[seq_id] = self.plans.get(seq_id, []) + plan
-        self.pending = {}
+        """The demotions planned a step ago (a refresh's) become due, and this step's share of those due
+        goes to `plans`, which the block books carry out next (RouterBlocks.carry_out, at the end of this
+        step or, on the graph path, before the next step is queued: router_graph.py, which calls this
+        earlier in the same step; a step hands over one share, however often it calls). With
+        `demotion_steps` above 1 a refresh's demotions are spread over that many steps, a sequence's
+        together, every path alike (by default all go in one step)."""
+        if self.pending:
+            for seq_id, plan in self.pending.items():
+                self.due += [(seq_id, i, block_id) for i, block_id in plan]
+            self.pending = {}
+            self.share = -(-len(self.due) // max(1, self.cfg.demotion_steps))
+        if not self.due or self.released == self.step_no:
+            return
+        self.released = self.step_no
+        share, self.due = self.due[:self.share], self.due[self.share:]
+        for seq_id, i, block_id in share:
+            self.plans.setdefault(seq_id, []).append((i, block_id))
 
     def _routed(self, batch) -> list:
         """(seq, context, book row) of the sequences this step routes; their books start when their prompt

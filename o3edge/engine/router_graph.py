@@ -20,12 +20,14 @@ run eager.
 
 Steps are launched ahead as on the plain graph path (cuda_graph.py: the host's work for step n hides
 under the GPU's for step n+1), observing steps and the steps after a refresh included: an observing
-step's books are added when it is taken (a dropped one adds nothing), and routing's demotions are
-carried out in the step after the refresh (router.py), so the step queued behind a refresh step reads
-the block tables it was queued with, as the eager path's next step does. On this path they are carried
-out before the step after that one is queued (RouterDecodeGraphs._continues; the eager path does them at
-the step's end), so every decode step but the first is queued. Blocks demoted since the last step get
-their codes (KVRouter.flush_moves) before a step is launched.
+step's books are added when it is taken (a dropped one adds nothing), once the step after it is queued,
+and the saliency the routing reads is started behind that step and read at its end (router.py), so no
+step waits for it. A refresh's demotions are due from the step after that (KVRouter.make_due), and
+take effect from the step after the one that carries them out, as on the
+eager path; on this path each share is carried out before the next step is queued
+(RouterDecodeGraphs._continues; the eager path does them at the step's end), so every decode step but
+the first is queued. Blocks demoted since the last step get their codes (KVRouter.flush_moves) before a
+step is launched.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
         self.observed: dict[int, list] = {}  # ahead (0: launched now, 1: queued) -> rows of an observing step
         self.mass = None
+        self.taken = None  # an observing step taken: (its rows, their probabilities), for _taken
         if runner.router.observing:  # [bucket, KVH, 2, keys]: one observing step's probabilities
             self.mass = torch.zeros(self.batch_buckets[-1], runner.args.num_kv_heads, 2,
                                     self.max_blocks * self.block_size, dtype=torch.float32, device=runner.device)
@@ -76,13 +79,12 @@ class RouterDecodeGraphs(DecodeGraphs):
         return super().fits(batch) and not self.runner.router.needs_eager(batch)
 
     def _continues(self, batch) -> bool:
-        """DecodeGraphs._continues, once the demotions a refresh planned at the end of the step before this
-        one are carried out: on every path they take effect from the next step (this one was queued with
-        the tables before them), so they are done here, before that step is queued with the tables they
-        leave, rather than at this step's end, which would leave the GPU idle while the host does them
-        and prepares the next step."""
+        """DecodeGraphs._continues, once a refresh's due demotions (this step's share) are carried out: on
+        every path they take effect from the next step (this one was queued with the tables before them),
+        so they are done here, before that step is queued with the tables they leave, rather than at this
+        step's end, which would leave the GPU idle while the host does them and prepares the next step."""
         runner, router = self.runner, self.runner.router
-        if router.pending and runner.carry_out is not None:
+        if (router.pending or router.due) and runner.carry_out is not None:
             router.make_due()
             for seq, _ in batch:
                 runner.carry_out(seq)
@@ -131,15 +133,22 @@ class RouterDecodeGraphs(DecodeGraphs):
         return self._forward(B, observe=True)
 
     def _ran(self, batch, rows, index) -> None:
-        """The step taken observed: its books (the rows of the sequences still in the batch); then the
-        saliency the routing at this step's end reads, started before a next step is queued."""
-        router, observed = self.runner.router, self.observed.pop(0 if rows is None else 1, None)
+        """The step taken: when it observed, its rows (of the sequences still in the batch) and a copy of
+        their probabilities, taken before a next step is queued (an observing one would write over them)."""
+        self.taken, observed = None, self.observed.pop(0 if rows is None else 1, None)
         self.observed.clear()
         if observed is not None:
             mass = self.mass[:len(observed)]
             if index is not None:
                 observed, mass = [observed[i] for i in rows], mass.index_select(0, index)
-            router.observed_in_graph(observed, mass)
+            self.taken = (observed, mass.clone() if index is None else mass)
+
+    def _taken(self, batch) -> None:
+        """Once the next step is queued (its launch does not wait for this): the observing step's books,
+        then the saliency the routing reads at the next step's end (KVRouter.end_step), started behind it."""
+        router, taken, self.taken = self.runner.router, self.taken, None
+        if taken is not None:
+            router.observed_in_graph(*taken)
         router.prepare_routing(batch)
 
     def _split(self, table: list[int]) -> tuple:

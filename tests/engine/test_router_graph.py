@@ -190,3 +190,38 @@ def test_router_key_splits_never_take_more_than_one_wave(mode):
     # llama-1b and the reference model at 16 sequences, as measured on the H200
     assert attention_splits(16, 8, sms, per_sm, one_wave=True) == {"int8": 4, "int4": 3}[mode]
     assert attention_splits(16, 2, sms, per_sm, one_wave=True) == {"int8": 16, "int4": 12}[mode]
+
+
+@pytest.mark.parametrize("spread", [1, 3])
+def test_a_refresh_demotions_are_carried_out_alike_on_both_paths(tiny_dir, monkeypatch, spread):
+    """A decode refresh's demotions are carried out in one step (by default) or, with
+    O3EDGE_ROUTER_DEMOTION_STEPS=3, over 3 steps, a share a step; the eager path and the graph path
+    (steps launched ahead) carry out the same ones in the same steps: the same tokens and the same
+    demotions after every step."""
+    monkeypatch.setenv("O3EDGE_ROUTER_DEMOTION_STEPS", str(spread))  # a measurement switch (default 1)
+    routed = {**ROUTED, "router_refresh_steps": 8}  # threshold 0: every block sealed since is demoted
+    timelines, outs = [], []
+    for graphs in (False, True):
+        m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router="int8", **routed))
+        eng, runner = m.engine, m.engine.runner
+        assert runner.router.cfg.demotion_steps == spread
+        if graphs:
+            runner.graphs = RouterDecodeGraphs(runner, 4, capture=False, launch_ahead=True)
+        for i in range(3):
+            eng.add_request(str(i), eng.encode(PROMPT + f"What is module {i}?"),
+                            SamplingParams(max_new_tokens=40, ignore_eos=True))
+        demoted, out = [], {}
+        while eng.has_unfinished_requests():
+            for o in eng.step()[0]:
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+            demoted.append(eng.blocks.num_demoted)
+        timelines.append(demoted)
+        outs.append(out)
+        if graphs:
+            assert runner.graphs.num_ahead_taken >= 30
+    assert outs[0] == outs[1] and timelines[0] == timelines[1]
+    start = next(i for i, d in enumerate(timelines[0]) if d > 0)  # the prompts' routing: all at once
+    per_step = [b - a for a, b in zip(timelines[0][start:], timelines[0][start + 1:])]
+    # each refresh (every 8 steps) demotes the block each of the 3 sequences sealed since: all 3 in one
+    # step, or one a step
+    assert sum(per_step) >= 9 and max(per_step) == 3 // spread
