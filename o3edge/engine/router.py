@@ -408,7 +408,7 @@ class KVRouter:
         step, nothing queued behind it). A refresh's saliency is read one step later, on every path: at
         the next step's end, when the graph path's reading of it (prepare_routing, queued behind the step
         launched after the refresh step) is done, so that no step waits for it; its demotions are then
-        due from the step after that (make_due spreads them over `demotion_steps` steps)."""
+        due from the step after that (make_due)."""
         routed = self._routed(batch)
         prepared, self.prepared = self.prepared, None
         self.make_due()
