@@ -349,7 +349,7 @@ class KVRouter:
         self.books.release(seq_id)
         self.plans.pop(seq_id, None)
         self.pending.pop(seq_id, None)
-        if any(d[0] == seq_id for d in self.due):
+        if self.due:
             self.due = [d for d in self.due if d[0] != seq_id]
 
     # ---- steps -----------------------------------------------------------------------------
@@ -428,7 +428,7 @@ class KVRouter:
                 done.synchronize()
                 done = None
             self._plan([r for r, p in zip(routed, prompt) if p], holds[torch.tensor(prompt)], None, self.plans)
-        if not all(prompt):
+        if not all(prompt):  # a graph step's holds may still be on their way: indexed only on the host path
             later = torch.tensor([not p for p in prompt])
             self.deferred = ([r for r, p in zip(routed, prompt) if not p], holds if all(later) else holds[later],
                              done)

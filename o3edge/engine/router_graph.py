@@ -25,8 +25,8 @@ and the saliency the routing reads is started behind that step and read at its e
 step waits for it. A refresh's demotions are due from the step after that (KVRouter.make_due), and
 take effect from the step after the one that carries them out, as on the eager path; on this path they
 are carried out before the next step is queued (RouterDecodeGraphs._continues; the eager path does them
-at the step's end), so every decode step but the first is queued. Blocks demoted since the last step get their codes (KVRouter.flush_moves) before a
-step is launched.
+at the step's end), so every decode step but the first is queued. Blocks demoted since the last step
+get their codes (KVRouter.flush_moves) before a step is launched.
 """
 
 from __future__ import annotations
