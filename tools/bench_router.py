@@ -508,16 +508,20 @@ def plot(r: dict, out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, x in r["results"].items():
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (label, x) in enumerate(r["results"].items()):
         kl = max(x["mean_kl_nats"], 1e-7)
-        ax.scatter(x["kv_bytes_vs_bf16"], kl, s=40)
-        ax.annotate(label, (x["kv_bytes_vs_bf16"], kl), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        for a_, y, up in ((ax, kl, 5), (ax2, 100 * x["greedy_agreement_free"], 5 - 11 * (i % 3))):
+            a_.scatter(x["kv_bytes_vs_bf16"], y, s=40)
+            a_.annotate(label, (x["kv_bytes_vs_bf16"], y), textcoords="offset points", xytext=(5, up), fontsize=8)
     ax.set_yscale("log")
-    ax.set_xlabel("KV bytes per token, relative to bf16")
     ax.set_ylabel("mean KL vs off, nats (off drawn at 1e-7)")
-    ax.set_title(f"Token router, {os.path.basename(r['model'])}: quality against KV memory", fontsize=10)
-    ax.grid(True, alpha=0.3)
+    ax2.set_ylabel(f"greedy tokens identical to off's, % of {r.get('new_tokens', 256)}")
+    for a_ in (ax, ax2):
+        a_.set_xlabel("KV bytes per token, relative to bf16")
+        a_.grid(True, alpha=0.3)
+    fig.suptitle(f"Token router, {os.path.basename(r['model'])} on {r.get('device_name', r.get('device'))}, "
+                 f"{r.get('dtype')}: quality against KV memory, one run", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -559,7 +563,12 @@ def main(argv=None):
     ap.add_argument("--workdir", default="/tmp/o3edge-bench-router")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--from-json", default=None, help="only redraw --plot from a saved quality run's JSON")
     a = ap.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            plot(json.load(f), a.plot)
+        return
     torch.manual_seed(0)
     if a.tuned:
         SETTINGS.update(TUNED)

@@ -143,43 +143,32 @@ def _int4_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr)
 # Eight INT4 weights (one 32-bit word: bytes of column pairs, even column in the high nibble) times eight
 # activations (four words of two halves, even column in the low half), summed: per byte, a byte permute
 # puts the two nibbles in the two halves, one logic op makes them the halves 1024 + q (bf16: 128 + q),
-# a packed subtract centers them, a packed multiply takes the products; the four product pairs are
-# added as pairs, then as float32. Three instructions a weight instead of seven (nibble to float32,
-# center, multiply-add).
-_PACKED_DOT = """{
-.reg .b32 hi, d, w, s, p, c;
-.reg .b16 h0, h1;
-.reg .f32 f0, f1;
-mov.b32 c, CENTER;
-shr.u32 hi, $1, 4;
-prmt.b32 d, hi, $1, 0x0400;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-mul.TYPE s, w, $2;
-prmt.b32 d, hi, $1, 0x0501;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-mul.TYPE p, w, $3;
-add.TYPE s, s, p;
-prmt.b32 d, hi, $1, 0x0602;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-mul.TYPE p, w, $4;
-add.TYPE s, s, p;
-prmt.b32 d, hi, $1, 0x0703;
-lop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;
-sub.TYPE w, w, c;
-mul.TYPE p, w, $5;
-add.TYPE s, s, p;
-mov.b32 {h0, h1}, s;
-cvt.f32.HALF f0, h0;
-cvt.f32.HALF f1, h1;
-add.f32 $0, f0, f1;
-}"""
+# a packed subtract centers them; the first pair's products are a packed multiply and the other three
+# pairs' are packed multiply-adds into it (FMA; O3EDGE_INT4_FMA=0: a multiply and an add each, as
+# before); the two halves are then added as float32. About 2.6 instructions a weight instead of seven
+# (nibble to float32, center, multiply-add); 20 a word instead of 23.
+def _packed_dot(fma: bool) -> str:
+    pairs = []
+    for i in range(4):
+        unpack = (f"prmt.b32 d, hi, $1, 0x0{4 + i}0{i};\nlop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;\n"
+                  "sub.TYPE w, w, c;\n")
+        if i == 0:
+            prod = "mul.TYPE s, w, $2;\n"
+        elif fma:
+            prod = f"fma.rn.FTYPE s, w, ${i + 2}, s;\n"
+        else:
+            prod = f"mul.TYPE p, w, ${i + 2};\nadd.TYPE s, s, p;\n"
+        pairs.append(unpack + prod)
+    return ("{\n.reg .b32 hi, d, w, s, p, c;\n.reg .b16 h0, h1;\n.reg .f32 f0, f1;\nmov.b32 c, CENTER;\n"
+            "shr.u32 hi, $1, 4;\n" + "".join(pairs)
+            + "mov.b32 {h0, h1}, s;\ncvt.f32.HALF f0, h0;\ncvt.f32.HALF f1, h1;\nadd.f32 $0, f0, f1;\n}")
+
+
+_PACKED_DOT = _packed_dot(os.environ.get("O3EDGE_INT4_FMA", "1") != "0")
 PACKED_DOT_F16 = tl.constexpr(_PACKED_DOT.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
-                              .replace("TYPE", "f16x2").replace("HALF", "f16"))
+                              .replace("FTYPE", "f16x2").replace("TYPE", "f16x2").replace("HALF", "f16"))
 PACKED_DOT_BF16 = tl.constexpr(_PACKED_DOT.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
-                               .replace(".TYPE", ".rn.bf16x2").replace("HALF", "bf16"))
+                               .replace("FTYPE", "bf16x2").replace(".TYPE", ".rn.bf16x2").replace("HALF", "bf16"))
 
 
 @triton.jit
@@ -546,7 +535,11 @@ def packed_int4(x: torch.Tensor) -> bool:
     tiles' even and odd columns as two dots (no interleave through shared memory) was 1.7-7x slower, and
     two dots a group on the raw nibbles with the scales applied after, 1.9-5.9x slower
     (docs/results/gpu-2026-12-01/int4-ab/, fifth/), so tiles of more rows keep the interleaved float32
-    dequantize."""
+    dequantize. Multiply-adds in place of a multiply and an add per pair (O3EDGE_INT4_FMA, default; in bf16
+    ptxas does not fuse the rounded pair itself: 1176 -> 1072 instructions in llama-1b's gate/up kernel at 8 programs per SM)
+    took llama-1b's gate/up from 10.1 to 9.6 us and its INT4 LM head from 61.0 to 57.8; summing the
+    scaled per-word partials once a row block instead of once a tile was slower (LM head 67.4 us) and is
+    not kept (docs/results/gpu-2026-12-02j/int4-fma/)."""
     return (x.is_cuda and not INTERPRET and x.dtype in (torch.float16, torch.bfloat16)
             and os.environ.get("O3EDGE_INT4_PACKED", "1") != "0")
 
@@ -664,8 +657,10 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) ->
         return (32, 256, 1, 4) if wide else (32, 512 if long else 256, 2, 4)
     if M > 1:
         return 32, min(256, triton.next_power_of_2(K)), 1, 4
-    if int4 and stream_int4(N, K):  # the FFN and the LM head
-        return (8, 2048, 1, 8, 4) if K >= 4096 else (16, min(1024, triton.next_power_of_2(K)), 1, 4, 8)
+    if int4 and stream_int4(N, K):  # the FFN and the LM head; from 16,384 rows on, 4 programs per SM (2026-12-02j
+        # grid with the packed dot's multiply-adds: llama-1b gate/up 9.7 -> 8.7 us, tinyllama's head 16.2 -> 15.4)
+        wide = 4 if N >= 16384 else 8
+        return (8, 2048, 1, 8, 4) if K >= 4096 else (16, min(1024, triton.next_power_of_2(K)), 1, 4, wide)
     if not int4 and os.environ.get("O3EDGE_GEMV_STREAM") != "0":  # whole 2,048-column tiles where they fit
         if K >= 4096:  # the down projection
             return (8, 2048, 1, 8, 6) if K % 2048 == 0 else (4, 1024, 1, 4, 8)
