@@ -566,6 +566,8 @@ def main(argv=None):
     ap.add_argument("--from-json", default=None, help="only redraw --plot from a saved quality run's JSON")
     a = ap.parse_args(argv)
     if a.from_json:
+        if not a.plot:
+            ap.error("--from-json redraws a plot: give --plot OUT.png")
         with open(a.from_json) as f:
             plot(json.load(f), a.plot)
         return

@@ -83,8 +83,9 @@ def trace(eng, a) -> dict:
     from o3edge.engine.router_blocks import RouterBlocks
     from o3edge.engine.scheduler import Scheduler
 
-    for cls, name in ((RouterDecodeGraphs, "_ran"), (RouterDecodeGraphs, "_taken"), (KVRouter, "observed_in_graph"),
-                      (KVRouter, "prepare_routing"), (KVRouter, "end_step"), (KVRouter, "flush_moves"), (DecodeGraphs, "run"),
+    for cls, name in ((RouterDecodeGraphs, "_ran"), (RouterDecodeGraphs, "_taken"),
+                      (KVRouter, "observed_in_graph"), (KVRouter, "prepare_routing"), (KVRouter, "end_step"),
+                      (KVRouter, "flush_moves"), (DecodeGraphs, "run"),
                       (DecodeGraphs, "fill_meta"), (RouterDecodeGraphs, "fill_meta"), (Scheduler, "schedule"),
                       (RouterBlocks, "mark_computed")):
         labelled(cls, name)  # their host time of their own shows under their names

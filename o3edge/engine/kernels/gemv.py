@@ -140,35 +140,48 @@ def _int4_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.constexpr)
     return _int4_centered_dot(x, _centered(q >> 4), _centered(q & 0xF), scale, zero, GROUP, BLOCK_K)
 
 
+# One int32 word of eight INT4 weights (bytes of column pairs, even column in the high nibble) as the eight
+# halves (q - 8), in column order: per byte pair, a byte permute puts two nibbles in the two halves, one
+# logic op makes them 1024 + q (bf16: 128 + q), one packed subtract centers them. 1.5 instructions a
+# weight, against ~6 for nibble -> float32 one weight at a time.
+def _word_pairs(word: str, out) -> str:
+    """PTX that unpacks the int32 word operand `word` into four registers of two halves (q - 8), pair i
+    (columns 2i, low half, and 2i + 1) into out(i)'s register, then out(i)'s line, if any; registers hi, d, c
+    and the placeholders _ptx fills."""
+    return (f"mov.b32 c, CENTER;\nshr.u32 hi, {word}, 4;\n" + "".join(
+        f"prmt.b32 d, hi, {word}, 0x0{4 + i}0{i};\nlop3.b32 {out(i)[0]}, d, 0x000F000F, MAGIC, 0xEA;\n"
+        f"sub.TYPE {out(i)[0]}, {out(i)[0]}, c;\n{out(i)[1]}" for i in range(4)))
+
+
+def _ptx(template: str) -> tuple:
+    """template for float16 and for bfloat16, as (f16, bf16) constexprs: MAGIC (the half whose low bits a
+    nibble fills: 1024 + q, bf16 128 + q) and CENTER (1024 + 8 in both halves, bf16 128 + 8), TYPE for a
+    packed subtract, multiply or add (bf16 takes the rounding mode there), FTYPE for a packed fused
+    multiply-add (rounding mode given), HALF for one half."""
+    f16 = (template.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408").replace("FTYPE", "f16x2")
+           .replace("TYPE", "f16x2").replace("HALF", "f16"))
+    bf16 = (template.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308").replace("FTYPE", "bf16x2")
+            .replace(".TYPE", ".rn.bf16x2").replace("HALF", "bf16"))
+    return tl.constexpr(f16), tl.constexpr(bf16)
+
+
 # Eight INT4 weights (one 32-bit word: bytes of column pairs, even column in the high nibble) times eight
-# activations (four words of two halves, even column in the low half), summed: per byte, a byte permute
-# puts the two nibbles in the two halves, one logic op makes them the halves 1024 + q (bf16: 128 + q),
-# a packed subtract centers them; the first pair's products are a packed multiply and the other three
-# pairs' are packed multiply-adds into it (FMA; O3EDGE_INT4_FMA=0: a multiply and an add each, as
-# before); the two halves are then added as float32. About 2.6 instructions a weight instead of seven
-# (nibble to float32, center, multiply-add); 20 a word instead of 23.
+# activations (four words of two halves, even column in the low half), summed: the word unpacked as
+# _word_pairs does; the first pair's products are a packed multiply and the other three pairs' packed
+# multiply-adds into it (O3EDGE_INT4_FMA=0: a multiply and an add each, as before); the two halves are
+# then added as float32. 22 PTX instructions a word (25 before), against seven a weight for nibble ->
+# float32, center, multiply-add.
 def _packed_dot(fma: bool) -> str:
-    pairs = []
-    for i in range(4):
-        unpack = (f"prmt.b32 d, hi, $1, 0x0{4 + i}0{i};\nlop3.b32 w, d, 0x000F000F, MAGIC, 0xEA;\n"
-                  "sub.TYPE w, w, c;\n")
+    def product(i: int) -> str:
         if i == 0:
-            prod = "mul.TYPE s, w, $2;\n"
-        elif fma:
-            prod = f"fma.rn.FTYPE s, w, ${i + 2}, s;\n"
-        else:
-            prod = f"mul.TYPE p, w, ${i + 2};\nadd.TYPE s, s, p;\n"
-        pairs.append(unpack + prod)
-    return ("{\n.reg .b32 hi, d, w, s, p, c;\n.reg .b16 h0, h1;\n.reg .f32 f0, f1;\nmov.b32 c, CENTER;\n"
-            "shr.u32 hi, $1, 4;\n" + "".join(pairs)
+            return "mul.TYPE s, w, $2;\n"
+        return f"fma.rn.FTYPE s, w, ${i + 2}, s;\n" if fma else f"mul.TYPE p, w, ${i + 2};\nadd.TYPE s, s, p;\n"
+    return ("{\n.reg .b32 hi, d, w, s, p, c;\n.reg .b16 h0, h1;\n.reg .f32 f0, f1;\n"
+            + _word_pairs("$1", lambda i: ("w", product(i)))
             + "mov.b32 {h0, h1}, s;\ncvt.f32.HALF f0, h0;\ncvt.f32.HALF f1, h1;\nadd.f32 $0, f0, f1;\n}")
 
 
-_PACKED_DOT = _packed_dot(os.environ.get("O3EDGE_INT4_FMA", "1") != "0")
-PACKED_DOT_F16 = tl.constexpr(_PACKED_DOT.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
-                              .replace("FTYPE", "f16x2").replace("TYPE", "f16x2").replace("HALF", "f16"))
-PACKED_DOT_BF16 = tl.constexpr(_PACKED_DOT.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
-                               .replace("FTYPE", "bf16x2").replace(".TYPE", ".rn.bf16x2").replace("HALF", "bf16"))
+PACKED_DOT_F16, PACKED_DOT_BF16 = _ptx(_packed_dot(os.environ.get("O3EDGE_INT4_FMA", "1") != "0"))
 
 
 @triton.jit
@@ -214,25 +227,9 @@ def _int4_tile_row_dot(x, q, scale, zero, GROUP: tl.constexpr, BLOCK_K: tl.const
     return acc
 
 
-# One int32 word of eight INT4 weights (bytes of column pairs, even column in the high nibble) as the eight
-# halves (q - 8), in column order: per byte pair, a byte permute puts two nibbles in the two halves, one
-# logic op makes them 1024 + q (bf16: 128 + q), one packed subtract centers them. 1.5 instructions a
-# weight, against ~6 for nibble -> float32 one weight at a time.
-def _word_pairs(word: str, out) -> str:
-    """PTX that unpacks the int32 word operand `word` into four registers of two halves (q - 8), pair i
-    (columns 2i, low half, and 2i + 1) into out(i)'s register, then out(i)'s line, if any; registers hi, d, c
-    and the MAGIC / CENTER / TYPE placeholders as the templates below fill them."""
-    return (f"mov.b32 c, CENTER;\nshr.u32 hi, {word}, 4;\n" + "".join(
-        f"prmt.b32 d, hi, {word}, 0x0{4 + i}0{i};\nlop3.b32 {out(i)[0]}, d, 0x000F000F, MAGIC, 0xEA;\n"
-        f"sub.TYPE {out(i)[0]}, {out(i)[0]}, c;\n{out(i)[1]}" for i in range(4)))
-
-
 _DEQUANT_WORD = ("{\n.reg .b32 hi, d, w, c;\n"  # byte pair i: columns 2i, 2i + 1, as halves $2i, $2i+1
                  + _word_pairs("$8", lambda i: ("w", f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, w;\n")) + "}")
-DEQUANT_WORD_F16 = tl.constexpr(_DEQUANT_WORD.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
-                                .replace("TYPE", "f16x2"))
-DEQUANT_WORD_BF16 = tl.constexpr(_DEQUANT_WORD.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
-                                 .replace(".TYPE", ".rn.bf16x2"))
+DEQUANT_WORD_F16, DEQUANT_WORD_BF16 = _ptx(_DEQUANT_WORD)
 
 
 INTERPRETED = tl.constexpr(INTERPRET)
@@ -241,10 +238,7 @@ INTERPRETED = tl.constexpr(INTERPRET)
 # and 2i + 1, the layout _pairs gives the activations. 13 instructions for eight weights, done once a tile
 # for both rows of _rows_stream_kernel.
 _DEQUANT_PAIRS = "{\n.reg .b32 hi, d, c;\n" + _word_pairs("$4", lambda i: (f"${i}", "")) + "}"
-DEQUANT_PAIRS_F16 = tl.constexpr(_DEQUANT_PAIRS.replace("MAGIC", "0x64006400").replace("CENTER", "0x64086408")
-                                 .replace("TYPE", "f16x2"))
-DEQUANT_PAIRS_BF16 = tl.constexpr(_DEQUANT_PAIRS.replace("MAGIC", "0x43004300").replace("CENTER", "0x43084308")
-                                  .replace(".TYPE", ".rn.bf16x2"))
+DEQUANT_PAIRS_F16, DEQUANT_PAIRS_BF16 = _ptx(_DEQUANT_PAIRS)
 
 # Four words of weight pairs ($1-$4) times four words of activation pairs ($5-$8): one packed multiply, three
 # packed multiply-adds, the two halves' sum in float32 (as PACKED_DOT_* sums a word's eight products).
@@ -252,18 +246,16 @@ _PAIRS_DOT = """{
 .reg .b32 s;
 .reg .b16 h0, h1;
 .reg .f32 f0, f1;
-mul.MUL s, $1, $5;
-fma.rn.TYPE s, $2, $6, s;
-fma.rn.TYPE s, $3, $7, s;
-fma.rn.TYPE s, $4, $8, s;
+mul.TYPE s, $1, $5;
+fma.rn.FTYPE s, $2, $6, s;
+fma.rn.FTYPE s, $3, $7, s;
+fma.rn.FTYPE s, $4, $8, s;
 mov.b32 {h0, h1}, s;
 cvt.f32.HALF f0, h0;
 cvt.f32.HALF f1, h1;
 add.f32 $0, f0, f1;
 }"""
-PAIRS_DOT_F16 = tl.constexpr(_PAIRS_DOT.replace("MUL", "f16x2").replace("TYPE", "f16x2").replace("HALF", "f16"))
-PAIRS_DOT_BF16 = tl.constexpr(_PAIRS_DOT.replace("MUL", "rn.bf16x2").replace("TYPE", "bf16x2")
-                              .replace("HALF", "bf16"))
+PAIRS_DOT_F16, PAIRS_DOT_BF16 = _ptx(_PAIRS_DOT)
 
 
 @triton.jit
@@ -536,10 +528,10 @@ def packed_int4(x: torch.Tensor) -> bool:
     two dots a group on the raw nibbles with the scales applied after, 1.9-5.9x slower
     (docs/results/gpu-2026-12-01/int4-ab/, fifth/), so tiles of more rows keep the interleaved float32
     dequantize. Multiply-adds in place of a multiply and an add per pair (O3EDGE_INT4_FMA, default; in bf16
-    ptxas does not fuse the rounded pair itself: 1176 -> 1072 instructions in llama-1b's gate/up kernel at 8 programs per SM)
-    took llama-1b's gate/up from 10.1 to 9.6 us and its INT4 LM head from 61.0 to 57.8; summing the
-    scaled per-word partials once a row block instead of once a tile was slower (LM head 67.4 us) and is
-    not kept (docs/results/gpu-2026-12-02j/int4-fma/)."""
+    ptxas does not fuse the rounded pair itself: 1176 -> 1072 instructions in llama-1b's gate/up kernel
+    at 8 programs per SM) took llama-1b's gate/up from 10.1 to 9.6 us and its INT4 LM head from 61.0 to
+    57.8; summing the scaled per-word partials once a row block instead of once a tile was slower (LM head
+    67.4 us) and is not kept (docs/results/gpu-2026-12-02j/int4-fma/)."""
     return (x.is_cuda and not INTERPRET and x.dtype in (torch.float16, torch.bfloat16)
             and os.environ.get("O3EDGE_INT4_PACKED", "1") != "0")
 
@@ -657,8 +649,9 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) ->
         return (32, 256, 1, 4) if wide else (32, 512 if long else 256, 2, 4)
     if M > 1:
         return 32, min(256, triton.next_power_of_2(K)), 1, 4
-    if int4 and stream_int4(N, K):  # the FFN and the LM head; from 16,384 rows on, 4 programs per SM (2026-12-02j
-        # grid with the packed dot's multiply-adds: llama-1b gate/up 9.7 -> 8.7 us, tinyllama's head 16.2 -> 15.4)
+    if int4 and stream_int4(N, K):  # the FFN and the LM head; from 16,384 rows on, 4 programs per SM (a grid with
+        # the packed dot's multiply-adds, docs/results/gpu-2026-12-02j/int4-fma/: llama-1b gate/up 9.7 -> 8.7 us,
+        # tinyllama's head 16.2 -> 15.4)
         wide = 4 if N >= 16384 else 8
         return (8, 2048, 1, 8, 4) if K >= 4096 else (16, min(1024, triton.next_power_of_2(K)), 1, 4, wide)
     if not int4 and os.environ.get("O3EDGE_GEMV_STREAM") != "0":  # whole 2,048-column tiles where they fit
