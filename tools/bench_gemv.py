@@ -143,7 +143,8 @@ def jobs(models, rows, with_grid, only=None, kinds=(False, True)):
     out = []
     for model in models:
         for (name, N, K, pro), M, int4 in itertools.product(layers(model), rows, kinds):
-            if ((int4 and name not in ("gate_up", "down", "lm_head")) or (M > MAX_ROWS and not int4)
+            attention = name in ("qkv", "o")  # INT4 only with o3edge build --int4-all: when asked for by --layers
+            if ((int4 and attention and not only) or (M > MAX_ROWS and not int4)
                     or (only and name not in only)):
                 continue
             configs = [None] + (grid(M, int4) if with_grid else [])

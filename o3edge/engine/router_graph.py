@@ -43,13 +43,14 @@ from o3edge.engine.kernels.quant_attention import observe_splits
 
 def router_attention_per_sm(mode: str) -> int:
     """Programs per SM that the two-pool kernel's key splits fill, as a ceiling: as many splits as fit in one
-    wave of the programs an SM holds at once (its code for sm_90 takes 128 registers a thread in INT8, four
-    programs of four warps an SM; 160 in INT4, three). On the H200 (tools/bench_attention.py --splits,
-    docs/results/gpu-2026-12-02c/attention/), llama-1b at 16 x 4,096 (128 programs a split): INT8 41.7 us
-    a layer at 4 splits, 45.8 at 3, 50.6 at 6; INT4 56.9 at 3, 62.6 at 4; the reference model at 16 x
-    3,840 (2 KV heads, 32 programs a split): INT8 12.8 at 16 splits, 20.3 at 9 (the rule before: two
-    programs per SM, rounded up), 15.4 at 32; INT4 18.7 at 12, 19.3 at 16, 23.0 at 9."""
-    return 3 if mode == "int4" else 4
+    wave of the programs an SM holds at once: four programs of four warps, its code for sm_90 capped at 104
+    registers a thread (quant_attention.register_cap). On the H200 (tools/bench_attention.py --splits,
+    docs/results/gpu-2026-12-02k/attention/), llama-1b at 16 x 4,096 (128 programs a split): INT8 39.5 us a
+    layer at 4 splits, 48.1 at 3, 53.9 at 5; INT4 50.0 at 4, 64.5 at 3, 52.3 at 8. Before the cap (INT4 at 160
+    registers, three an SM; docs/results/gpu-2026-12-02c/attention/): INT8 41.7 at 4 splits, 45.8 at 3;
+    INT4 56.9 at 3, 62.6 at 4; the reference model at 16 x 3,840 (2 KV heads, 32 programs a split): INT8
+    12.8 at 16 splits, 20.3 at 9, 15.4 at 32; INT4 18.7 at 12, 19.3 at 16, 23.0 at 9."""
+    return 4
 
 
 class RouterDecodeGraphs(DecodeGraphs):

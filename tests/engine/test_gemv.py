@@ -171,7 +171,7 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
         g, x, w = _data(1, N, K, dtype, N)
         qw, sz = quantize_int4(w.float().cpu(), group)
         ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
-        for packed, stream in itertools.product(("1", "0"), ("0", "1")):  # packed dot or not, streamed or not
+        for packed, stream in itertools.product(("1", "0"), ("0", "1", "wide")):  # packed dot or not, streamed or not
             monkeypatch.setenv("O3EDGE_INT4_PACKED", packed)
             monkeypatch.setenv("O3EDGE_INT4_STREAM", stream)
             out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
@@ -195,3 +195,9 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
             _close(out, ref, dtype)
         monkeypatch.delenv("O3EDGE_INT4_ROWS")
         monkeypatch.delenv("O3EDGE_INT4_ROWS_UNROLL")
+    g, x, w = _data(1, 2560, 2048, dtype, 9)  # an attention projection in INT4 (--int4-all), streamed by default
+    qw, sz = quantize_int4(w.float().cpu(), 128)
+    ref = F.linear(x.float(), dequantize_int4(qw, sz, 2048).to(dtype).float().to(DEV))
+    for stream in ("1", "wide"):
+        monkeypatch.setenv("O3EDGE_INT4_STREAM", stream)
+        _close(skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=128, out_features=2560), ref, dtype)

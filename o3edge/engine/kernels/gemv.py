@@ -553,16 +553,20 @@ def asm_int4(x: torch.Tensor) -> bool:
 
 def stream_int4(N: int, K: int) -> bool:
     """Whether a one-row INT4 matmul streams its row blocks (_row_stream_kernel, the packed dot on stored
-    words in flight) like dense ones: for the shapes measured, many rows (gate/up, LM head) or long rows
-    (down), unless O3EDGE_INT4_STREAM=0 (or O3EDGE_GEMV_STREAM=0); O3EDGE_INT4_STREAM=1 streams every shape.
+    words in flight) like dense ones: every shape, unless O3EDGE_INT4_STREAM=0 (or O3EDGE_GEMV_STREAM=0);
+    O3EDGE_INT4_STREAM=wide streams only many rows (N >= 8,192: gate/up, LM head) or long rows (K >= 4,096:
+    down), the rule before.
 
     On the H200 (tools/bench_gemv.py --rows 1 --grid, op before fused in; docs/results/gpu-2026-12-01e/stream/)
     against the skinny kernel: tinyllama-1.1b gate/up 9.2 -> 8.5 us, down 7.2 -> 4.9, LM head 19.0 -> 18.7;
-    llama-1b 11.6 -> 10.1, 9.0 -> 6.4, 71.1 -> 59.9. Before the packed dot, streamed INT4 tiles were slower."""
+    llama-1b 11.6 -> 10.1, 9.0 -> 6.4, 71.1 -> 59.9. Before the packed dot, streamed INT4 tiles were slower.
+    The attention projections (INT4 only with --int4-all) stream too: whole generations of tinyllama with every
+    linear INT4 at batch 1 went from 1,573 tok/s (3.80 tok/J) to 1,688 (4.32) (tools/bench_gpu.py --int4-all
+    --batches 1, O3EDGE_INT4_STREAM=1 then; docs/results/gpu-2026-12-02k/int4all/)."""
     forced = os.environ.get("O3EDGE_INT4_STREAM")
     if forced == "0" or os.environ.get("O3EDGE_GEMV_STREAM") == "0":
         return False
-    return forced == "1" or N >= 8192 or K >= 4096
+    return forced != "wide" or N >= 8192 or K >= 4096
 
 
 def rows_int4(M: int) -> bool:
@@ -652,8 +656,13 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) ->
     if int4 and stream_int4(N, K):  # the FFN and the LM head; from 16,384 rows on, 4 programs per SM (a grid with
         # the packed dot's multiply-adds, docs/results/gpu-2026-12-02j/int4-fma/: llama-1b gate/up 9.7 -> 8.7 us,
         # tinyllama's head 16.2 -> 15.4)
+        if K >= 4096:
+            return 8, 2048, 1, 8, 4
+        if N < 8192:  # the attention projections (--int4-all): whole rows of 2,048 columns, 8 warps (a grid,
+            # docs/results/gpu-2026-12-02k/gemv/: tinyllama QKV 4.6 -> 3.4 us, o 3.7 -> 2.3; llama-1b 5.0 -> 3.4, 3.8 -> 2.2)
+            return 8, min(2048, triton.next_power_of_2(K)), 1, 8, 8
         wide = 4 if N >= 16384 else 8
-        return (8, 2048, 1, 8, 4) if K >= 4096 else (16, min(1024, triton.next_power_of_2(K)), 1, 4, wide)
+        return 16, min(1024, triton.next_power_of_2(K)), 1, 4, wide
     if not int4 and os.environ.get("O3EDGE_GEMV_STREAM") != "0":  # whole 2,048-column tiles where they fit
         if K >= 4096:  # the down projection
             return (8, 2048, 1, 8, 6) if K % 2048 == 0 else (4, 1024, 1, 4, 8)

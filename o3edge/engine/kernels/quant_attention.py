@@ -31,13 +31,14 @@ from o3edge.engine.kernels.gemv import offset_half
 def _load_codes(codes_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, HD: tl.constexpr, BITS: tl.constexpr,
                 MAGIC: tl.constexpr = False):
     """[BLOCK_N, HD_PAD] codes of the given slots as signed integers in float32 (rows outside n_mask: 0).
-    MAGIC: converted through half-precision bit patterns (gemv.offset_half) instead of int-to-float."""
+    MAGIC: in float16, converted through half-precision bit patterns (gemv.offset_half) instead of
+    int-to-float."""
     mask = n_mask[:, None] & (d < HD)[None, :]
     base = slot[:, None] * stride_slot + kvh * stride_head
     if BITS == 8:
         byte = tl.load(codes_ptr + base + d[None, :], mask=mask, other=0)
         if MAGIC:  # two's complement: the byte's value + 128 is its bits with the top one flipped
-            q = offset_half((byte.to(tl.int32) & 0xFF) ^ 0x80, 128).to(tl.float32)
+            q = offset_half((byte.to(tl.int32) & 0xFF) ^ 0x80, 128)
         else:
             q = byte.to(tl.float32)
     elif HD == d.shape[0]:  # each byte loaded once, its two codes interleaved back (low nibble first)
@@ -45,7 +46,7 @@ def _load_codes(codes_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, HD: t
         byte = tl.load(codes_ptr + base + half[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
         lo, hi = byte & 0xF, (byte >> 4) & 0xF
         if MAGIC:
-            lo, hi = offset_half(lo ^ 8, 8).to(tl.float32), offset_half(hi ^ 8, 8).to(tl.float32)
+            lo, hi = offset_half(lo ^ 8, 8), offset_half(hi ^ 8, 8)
         else:
             lo, hi = tl.where(lo > 7, lo - 16, lo).to(tl.float32), tl.where(hi > 7, hi - 16, hi).to(tl.float32)
         q = tl.reshape(tl.join(lo, hi), [byte.shape[0], HD])
@@ -53,7 +54,7 @@ def _load_codes(codes_ptr, slot, n_mask, kvh, d, stride_slot, stride_head, HD: t
         byte = tl.load(codes_ptr + base + (d // 2)[None, :], mask=mask, other=0).to(tl.int32)
         nib = (byte >> ((d % 2) * 4)[None, :]) & 0xF
         if MAGIC:
-            q = offset_half(nib ^ 8, 8).to(tl.float32)
+            q = offset_half(nib ^ 8, 8)
         else:
             q = tl.where(nib > 7, nib - 16, nib).to(tl.float32)
     return q
@@ -97,7 +98,7 @@ def _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, s
                           BITS)
         k_scale = tl.full([CBLOCK_N], sm_scale, tl.float32)
     if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q.to(dtype), tl.trans(k.to(dtype)))
     return n_mask, slot, tl.where(n_mask[None, :], s * k_scale[None, :], float("-inf"))
@@ -120,7 +121,8 @@ def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scale
     if SCALE_AFTER:
         v = _load_codes(v_codes, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS, True)
         v_scale = _load_scales(v_scales, slot, n_mask, kvh, s_slot, s_head)
-        return softmax_step(s, v if IEEE else v.to(dtype), m, l_sum, acc, IEEE, dtype, v_scale=v_scale)
+        return softmax_step(s, v.to(tl.float32) if IEEE else v.to(dtype), m, l_sum, acc, IEEE, dtype,
+                            v_scale=v_scale)
     v = _load_dequant(v_codes, v_scales, slot, n_mask, kvh, d, stride_slot, stride_head, s_slot, s_head, HD, BITS)
     return softmax_step(s, v if IEEE else v.to(dtype), m, l_sum, acc, IEEE, dtype)
 
@@ -331,10 +333,13 @@ def _router_decode_kernel(
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
         OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr = False,
-        SCORES: tl.constexpr = False):
+        SCORES: tl.constexpr = False, F16: tl.constexpr = False):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
+    cdtype = dtype  # the compressed pool's tensor-core dots: in float16 with F16 (its codes are exact there)
+    if F16:
+        cdtype = tl.float16
     meta = meta_ptr + b * stride_meta
     n_full = tl.load(meta + 3)
     n_comp = tl.load(meta + 4)
@@ -371,14 +376,14 @@ def _router_decode_kernel(
         while j < j_end:  # NB blocks a tile
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FAST, SCORES, c_row, g,
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, cdtype, FAST, SCORES, c_row, g,
                                               g_mask, 2 * MASS_P)
             j += NB
     else:
         for j in range(j_start, j_end, NB):
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
-                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype, FAST, SCORES, c_row, g,
+                                              KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, cdtype, FAST, SCORES, c_row, g,
                                               g_mask, 2 * MASS_P)
     acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS, FAST)  # back from the rotated basis
 
@@ -394,7 +399,7 @@ def _router_decode_kernel(
         _observe(q, qf, k_new, m_safe + tl.log(tl.where(l_all > 0, l_all, 1.0)), g_mask, n_full, n_comp, meta,
                  MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot, k_codes, k_scales, c_slot, c_head,
                  s_slot, s_head, kvh, d, sm_scale, mass_ptr + (b * KVH + kvh) * 2 * MASS_P, MASS_P, H, HD,
-                 KV_BLOCK, BLOCK_N, CBLOCK_N, NB, BITS, IEEE, dtype)
+                 KV_BLOCK, BLOCK_N, CBLOCK_N, NB, BITS, IEEE, cdtype)
     store_rows(acc_all, l_all, m_safe, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr,
                (b * H + kvh * G + g) * NUM_SPLITS + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
 
@@ -411,6 +416,30 @@ def fast_codes() -> bool:
     block compressed; docs/results/gpu-2026-12-01f/router/): INT8 48.96 -> 46.18 us a layer (full-precision
     decode attention over bf16 K/V: 46.24), INT4 92.22 -> 57.34."""
     return os.environ.get("O3EDGE_ROUTER_FAST") != "0"
+
+
+def f16_dots() -> bool:
+    """Whether the compressed pool's tensor-core dots run in float16 whatever the cache's dtype (with
+    fast_codes; O3EDGE_ROUTER_F16=0 keeps the cache's dtype). The codes converted through half-precision
+    bit patterns are float16 already and exact there; in bfloat16 each was widened to float32 and rounded
+    again, two conversions an element. The query (bfloat16) is exact in float16 within its range, and the
+    probabilities times the value scales keep more bits than in bfloat16. Compiled for sm_90
+    (tools/kernel_sass.py router, llama-1b at 4K x 16, bf16): INT8 2,464 -> 2,248 instructions (no F2FP;
+    HADD2 208 -> 80) but 128 -> 140 registers, INT4 2,896 -> 2,728 and 160 -> 140; hence register_cap."""
+    return os.environ.get("O3EDGE_ROUTER_F16", "1") != "0"
+
+
+def register_cap(observe: bool) -> dict:
+    """Launch options capping the router kernel's registers at 104 a thread (O3EDGE_ROUTER_MAXNREG=R: R, 0:
+    none), so that four programs of four warps fit an SM (router_graph.router_attention_per_sm), INT4's
+    too (160 uncapped: three). Compiled for sm_90 it spills 24 bytes in INT8 and 8 in INT4; the observing
+    variants (a refresh step's, one in 32) would spill 72-288, and are not capped. On the H200
+    (tools/bench_attention.py --splits 3,4,5,6,8, llama-1b at 16 x 4,096, bf16; full precision 45.7 us a
+    layer at its 9 splits; docs/results/gpu-2026-12-02k/attention/), µs a layer at the best split:
+    INT8 41.3 (4 splits) before, 44.0 (3) with float16 dots uncapped, 39.5 (4) with the cap at 104;
+    INT4 57.8 (3) before, 54.3 (3) float16 dots, 50.0 (4) capped at 104 (96: 51.0 at 8, 128: 53.2 at 4)."""
+    cap = os.environ.get("O3EDGE_ROUTER_MAXNREG", "104")
+    return {"maxnreg": int(cap)} if cap.isdigit() and int(cap) > 0 and not observe and not INTERPRET else {}
 
 
 def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: torch.Tensor,
@@ -467,8 +496,9 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=block_n, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
-        OBSERVE=observe and not scored, INTERPRET=INTERPRET, PDL=on, FAST=fast, SCORES=scored, num_warps=warps,
-        num_stages=stages, **pdl.launch_options(on))
+        OBSERVE=observe and not scored, INTERPRET=INTERPRET, PDL=on, FAST=fast, SCORES=scored,
+        F16=fast and k_cache.dtype != torch.float32 and f16_dots(), num_warps=warps,
+        num_stages=stages, **pdl.launch_options(on), **register_cap(observe))
     out = merge_splits(out, part_o, part_lse, num_splits, on)
     if scored:
         P, block = mass.shape[-1], 512
