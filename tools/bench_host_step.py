@@ -95,7 +95,7 @@ def run_once(a, profile: cProfile.Profile | None) -> dict:
     return {"steps": len(walls), "median_ms": round(statistics.median(walls), 4),
             "p90_ms": round(walls[int(0.9 * len(walls))], 4), "mean_ms": round(statistics.fmean(walls), 4),
             "launched_ahead": eng.runner.graphs.num_ahead_taken,
-            "by_kind": {k: {"n": len(v), "median_ms": round(statistics.median(v), 4)} for k, v in kinds.items()}}
+            "by_kind": bench_router.by_kind(kinds)}
 
 
 def main() -> None:

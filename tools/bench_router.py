@@ -61,6 +61,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 
@@ -382,6 +383,11 @@ def step_kind(router, last: str | None) -> str:
     return "demoting" if router.pending or router.due else "other"
 
 
+def by_kind(walls: dict) -> dict:
+    """{step kind: its count and median wall ms} of {step kind: [wall ms of each step]}."""
+    return {k: {"n": len(v), "median_ms": round(statistics.median(v), 4)} for k, v in walls.items()}
+
+
 def gpu(a) -> dict:
     path, prompts, warm = decode_checkpoint(a)  # the same prompts for every setting, made once
     rows = {}
@@ -405,11 +411,13 @@ def gpu(a) -> dict:
             eng.step()  # prefill everything (the first tokens)
         torch.cuda.synchronize()
         demoted = getattr(eng.blocks, "num_demoted", 0)
-        t0, n, steps = time.perf_counter(), 0, []
+        t0, n, steps, kinds, kind = time.perf_counter(), 0, [], {}, None
         while eng.has_unfinished_requests():
+            kind = step_kind(eng.runner.router, kind)
             t = time.perf_counter()
             _, rep = eng.step()  # returns its tokens to the host: each step ends synchronized
             steps.append((time.perf_counter() - t) * 1e3)
+            kinds.setdefault(kind, []).append(steps[-1])
             n += sum(generated for _, generated in rep.tokens.values()) if rep else 0
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -422,7 +430,8 @@ def gpu(a) -> dict:
                       "blocks_demoted_in_decode": getattr(eng.blocks, "num_demoted", 0) - demoted,
                       "steps": len(steps), "step_ms_p50": round(q[0], 3),
                       "step_ms_p90": round(q[1], 3), "step_ms_p99": round(q[2], 3), "step_ms_max": round(max(steps), 3),
-                      "step_ms_sum_top_16th": round(sum(sorted(steps)[-max(1, len(steps) // 16):]), 2)}
+                      "step_ms_sum_top_16th": round(sum(sorted(steps)[-max(1, len(steps) // 16):]), 2),
+                      "by_kind": by_kind(kinds)}  # the router's refresh steps, the steps after them, ...
         if graphs is not None:  # steps taken from the launch-ahead queue, of the graph steps
             rows[name].update(graph_steps=graphs.num_steps, steps_launched_ahead=graphs.num_ahead_taken)
         print(name, rows[name], flush=True)

@@ -382,12 +382,14 @@ def router_meta(rows, max_blocks, scratch_slot, bs):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # half: the tensor-core path, 64 keys a tile
 # codes on the tensor cores, scaled after; INT4 rotated by butterflies; f16: those dots in float16 whatever the cache's
-@pytest.mark.parametrize("fast", ["0", "1", "f16"])
+# halves: INT4's codes never interleaved, two dots of half the head dimension (O3EDGE_ROUTER_HALVES, off by default)
+@pytest.mark.parametrize("fast", ["0", "1", "f16", "halves"])
 def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype, fast, monkeypatch, device="cpu"):
     from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
 
     monkeypatch.setenv("O3EDGE_ROUTER_FAST", "0" if fast == "0" else "1")
-    monkeypatch.setenv("O3EDGE_ROUTER_F16", "1" if fast == "f16" else "0")
+    monkeypatch.setenv("O3EDGE_ROUTER_F16", "0" if fast in ("0", "1") else "1")
+    monkeypatch.setenv("O3EDGE_ROUTER_HALVES", "1" if fast == "halves" else "0")
 
     torch.manual_seed(8)
     H, KVH, hd, bs, nblocks, mb = 6, 2, 64, 8, 12, 8
@@ -419,7 +421,7 @@ def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fast", ["0", "1", "f16"])
+@pytest.mark.parametrize("fast", ["0", "1", "f16", "halves"])
 def test_router_decode_kernel_on_the_gpu(mode, splits, dtype, fast, monkeypatch):
     test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype, fast, monkeypatch, device="cuda")
 

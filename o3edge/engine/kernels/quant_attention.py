@@ -128,6 +128,37 @@ def _attend_cblocks(q, m, l_sum, acc, j, j_end, table, k_codes, v_codes, k_scale
 
 
 @triton.jit
+def _attend_halves(qe, qo, m, l_sum, acc_e, acc_o, j, j_end, table, k_codes, v_codes, k_scales, v_scales, kvh,
+                   stride_slot, stride_head, s_slot, s_head, sm_scale, HD: tl.constexpr, KV_BLOCK: tl.constexpr,
+                   NB: tl.constexpr, CBLOCK_N: tl.constexpr):
+    """_attend_cblocks for INT4 codes with fast_codes, the codes never interleaved back: a byte's low nibble is
+    an even dimension, its high nibble the next odd one, so the scores are the even half of the (rotated)
+    query against the low nibbles plus its odd half against the high ones (two tensor-core dots of HD / 2),
+    and the values' even and odd dimensions are two accumulators, joined once after the last tile."""
+    offs = tl.arange(0, CBLOCK_N)
+    bi = j + offs // KV_BLOCK
+    n_mask = (offs < NB * KV_BLOCK) & (bi < j_end)
+    blk = tl.load(table + bi, mask=n_mask, other=0)
+    slot = blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
+    half = tl.arange(0, HD // 2)
+    base = slot[:, None] * stride_slot + kvh * stride_head + half[None, :]
+    k = tl.load(k_codes + base, mask=n_mask[:, None], other=0).to(tl.int32)
+    s = tl.dot(qe, tl.trans(offset_half((k & 0xF) ^ 8, 8)))
+    s = tl.dot(qo, tl.trans(offset_half(((k >> 4) & 0xF) ^ 8, 8)), s)
+    k_scale = _load_scales(k_scales, slot, n_mask, kvh, s_slot, s_head) * sm_scale
+    s = tl.where(n_mask[None, :], s * k_scale[None, :], float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    pv = (p * _load_scales(v_scales, slot, n_mask, kvh, s_slot, s_head)[None, :]).to(tl.float16)
+    v = tl.load(v_codes + base, mask=n_mask[:, None], other=0).to(tl.int32)
+    acc_e = acc_e * alpha[:, None] + tl.dot(pv, offset_half((v & 0xF) ^ 8, 8))
+    acc_o = acc_o * alpha[:, None] + tl.dot(pv, offset_half(((v >> 4) & 0xF) ^ 8, 8))
+    return m_new, l_sum, acc_e, acc_o
+
+
+@triton.jit
 def _quant_attention_kernel(q_ptr, stride_qb, table_ptr, stride_tb, count_ptr, k_codes, v_codes, k_scales, v_scales,
                             stride_slot, stride_head, s_slot, s_head, o_ptr, lse_ptr, sm_scale,
                             H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
@@ -333,7 +364,7 @@ def _router_decode_kernel(
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
         OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr = False,
-        SCORES: tl.constexpr = False, F16: tl.constexpr = False):
+        SCORES: tl.constexpr = False, F16: tl.constexpr = False, HALVES: tl.constexpr = False):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
@@ -371,7 +402,19 @@ def _router_decode_kernel(
     m_c, l_c, acc_c = softmax_init(G_PAD, HD_PAD)
     ctable = meta + 5 + MAX_BLOCKS
     c_row = score_row + MASS_P  # with SCORES: the compressed keys' scores after the full ones
-    if INTERPRET:
+    if HALVES:  # INT4, fast codes, float16 dots, HD a power of 2 (_attend_halves)
+        qe, qo = tl.split(tl.reshape(qf, [G_PAD, HD_PAD // 2, 2]))
+        qe, qo = qe.to(tl.float16), qo.to(tl.float16)
+        acc_e = tl.zeros([G_PAD, HD_PAD // 2], tl.float32)
+        acc_o = tl.zeros([G_PAD, HD_PAD // 2], tl.float32)
+        j = j_start
+        while j < j_end:  # NB blocks a tile (a while loop: the interpreter takes no tensor as a range bound)
+            m_c, l_c, acc_e, acc_o = _attend_halves(qe, qo, m_c, l_c, acc_e, acc_o, j, j_end, ctable, k_codes,
+                                                    v_codes, k_scales, v_scales, kvh, c_slot, c_head, s_slot,
+                                                    s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N)
+            j += NB
+        acc_c = tl.reshape(tl.join(acc_e, acc_o), [G_PAD, HD_PAD])
+    elif INTERPRET:
         j = j_start
         while j < j_end:  # NB blocks a tile
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
@@ -497,7 +540,9 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         BLOCK_N=block_n, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
         OBSERVE=observe and not scored, INTERPRET=INTERPRET, PDL=on, FAST=fast, SCORES=scored,
-        F16=fast and k_cache.dtype != torch.float32 and f16_dots(), num_warps=warps,
+        F16=fast and k_cache.dtype != torch.float32 and f16_dots(),
+        HALVES=(mode == "int4" and fast and k_cache.dtype != torch.float32 and f16_dots() and not observe
+                and HD & (HD - 1) == 0 and os.environ.get("O3EDGE_ROUTER_HALVES") == "1"), num_warps=warps,
         num_stages=stages, **pdl.launch_options(on), **register_cap(observe))
     out = merge_splits(out, part_o, part_lse, num_splits, on)
     if scored:
