@@ -42,14 +42,17 @@ bf16: `off` on the CUDA-graph decode step and the compressed settings with route
 (router_graph.py: every decode step in CUDA graphs, refresh steps in their observing graphs; --eager
 adds every setting without graphs), with each setting's KV bytes per token and compressed share from the
 engine's stats, and the wall time of each engine step (percentiles, and the sum of the slowest
-sixteenth: the refresh steps, one in 32 by default, and the steps after them). --floor adds
+sixteenth: the refresh steps, one in 32 by default, and the steps after them; the median of each step
+kind: refresh, after refresh, demoting, other). --rounds N runs every setting N times, alternating, and
+reports the median tok/s and each round's ratio to full precision (a small model's step is mostly host
+time, and the GPU machine's speed has moved by up to 1.8x between two runs of one call). --floor adds
 `router-unobserved` there: the router's step with nothing compressed and nothing observed. On random
 weights attention is flat, so the router keeps every token and reads as many bytes as `off`; `--shape
 model` runs --model's checkpoint (the built-in long-context reference model by default: 4,096
 positions) on held-out stdlib docstrings instead, where the router compresses what its attention passes
 over:
 
-  python tools/bench_router.py --gpu --shape model --context 3840 --batch 16 --json ...
+  python tools/bench_router.py --gpu --shape model --context 3840 --batch 16 [--rounds 3] --json ...
 """
 
 from __future__ import annotations
@@ -388,57 +391,87 @@ def by_kind(walls: dict) -> dict:
     return {k: {"n": len(v), "median_ms": round(statistics.median(v), 4)} for k, v in walls.items()}
 
 
+def decode_once(path, prompts, warm, label: str, graphs: bool, a) -> dict:
+    """One setting's decode on the GPU: a short warm-up generation, the prompts prefilled, then tok/s of the
+    batch once every prompt is in, the steps' wall times (p50/p90/p99, by step kind) and the KV books."""
+    eng = decode_engine(path, label, "cuda", "bfloat16", None, a, cuda_graphs=graphs, router_cuda_graphs=graphs)
+    for i, ids in enumerate(warm):  # a short generation first: the first refresh step's kernels load
+        eng.add_request(f"warm-up {i}", ids, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    graph_path = eng.runner.graphs
+    if graph_path is not None:
+        graph_path.num_steps = graph_path.num_ahead_taken = 0
+    for i, ids in enumerate(prompts):
+        eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
+    while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()  # prefill everything (the first tokens)
+    torch.cuda.synchronize()
+    demoted = getattr(eng.blocks, "num_demoted", 0)
+    t0, n, steps, kinds, kind = time.perf_counter(), 0, [], {}, None
+    while eng.has_unfinished_requests():
+        kind = step_kind(eng.runner.router, kind)
+        t = time.perf_counter()
+        _, rep = eng.step()  # returns its tokens to the host: each step ends synchronized
+        steps.append((time.perf_counter() - t) * 1e3)
+        kinds.setdefault(kind, []).append(steps[-1])
+        n += sum(generated for _, generated in rep.tokens.values()) if rep else 0
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    st = eng.stats()
+    q = torch.tensor(steps).quantile(torch.tensor([0.5, 0.9, 0.99])).tolist()
+    row = {"decode_tokens_per_s": round(n / dt, 1), "decode_tokens": n,
+           "kv_bytes_per_token": st.get("kv_bytes_per_token"),
+           "compressed_share": st.get("kv_tokens_compressed_share", 0.0),
+           "preemptions": st.get("preemptions"),
+           "blocks_demoted_in_decode": getattr(eng.blocks, "num_demoted", 0) - demoted,
+           "steps": len(steps), "step_ms_p50": round(q[0], 3),
+           "step_ms_p90": round(q[1], 3), "step_ms_p99": round(q[2], 3), "step_ms_max": round(max(steps), 3),
+           "step_ms_sum_top_16th": round(sum(sorted(steps)[-max(1, len(steps) // 16):]), 2),
+           "by_kind": by_kind(kinds)}  # the router's refresh steps, the steps after them, ...
+    if graph_path is not None:  # steps taken from the launch-ahead queue, of the graph steps
+        row.update(graph_steps=graph_path.num_steps, steps_launched_ahead=graph_path.num_ahead_taken)
+    del eng
+    free_device_memory()
+    return row
+
+
+def over_rounds(rounds: list[dict], off: list[dict]) -> dict:
+    """One setting's rounds (decode_once rows, in the order run) beside full precision's of the same
+    rounds: the median tok/s and each round's ratio to full precision, with every round's row kept."""
+    tok_s = [r["decode_tokens_per_s"] for r in rounds]
+    ratios = [r["decode_tokens_per_s"] / o["decode_tokens_per_s"] for r, o in zip(rounds, off)]
+    return {**rounds[0], "decode_tokens_per_s": round(statistics.median(tok_s), 1),
+            "ratio_to_off_by_round": [round(x, 3) for x in ratios],
+            "ratio_to_off_median": round(statistics.median(ratios), 3), "rounds": rounds}
+
+
 def gpu(a) -> dict:
+    """Decode speed of each setting on the GPU. With --rounds N, every setting runs N times, the settings
+    alternating round by round (off first in each), so that a machine whose speed drifts between runs
+    (a small model's step is mostly host time) moves every setting alike; rows then report the median
+    tok/s and each round's ratio to full precision in that round."""
     path, prompts, warm = decode_checkpoint(a)  # the same prompts for every setting, made once
-    rows = {}
     labels = [x for x in labels_of(a) if x != "off"]
     runs = [("off (CUDA graphs)", "off", True)]
     runs += [(f"{label} (CUDA graphs)", label, True) for label in labels]
     if a.eager:
         runs += [("off (eager)", "off", False)] + [(label, label, False) for label in labels]
-    for name, label, graphs in runs:
-        eng = decode_engine(path, label, "cuda", "bfloat16", None, a, cuda_graphs=graphs, router_cuda_graphs=graphs)
-        for i, ids in enumerate(warm):  # a short generation first: the first refresh step's kernels load
-            eng.add_request(f"warm-up {i}", ids, SamplingParams(max_new_tokens=40, ignore_eos=True))
-        while eng.has_unfinished_requests():
-            eng.step()
-        graphs = eng.runner.graphs
-        if graphs is not None:
-            graphs.num_steps = graphs.num_ahead_taken = 0
-        for i, ids in enumerate(prompts):
-            eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
-        while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
-            eng.step()  # prefill everything (the first tokens)
-        torch.cuda.synchronize()
-        demoted = getattr(eng.blocks, "num_demoted", 0)
-        t0, n, steps, kinds, kind = time.perf_counter(), 0, [], {}, None
-        while eng.has_unfinished_requests():
-            kind = step_kind(eng.runner.router, kind)
-            t = time.perf_counter()
-            _, rep = eng.step()  # returns its tokens to the host: each step ends synchronized
-            steps.append((time.perf_counter() - t) * 1e3)
-            kinds.setdefault(kind, []).append(steps[-1])
-            n += sum(generated for _, generated in rep.tokens.values()) if rep else 0
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        st = eng.stats()
-        q = torch.tensor(steps).quantile(torch.tensor([0.5, 0.9, 0.99])).tolist()
-        rows[name] = {"decode_tokens_per_s": round(n / dt, 1), "decode_tokens": n,
-                      "kv_bytes_per_token": st.get("kv_bytes_per_token"),
-                      "compressed_share": st.get("kv_tokens_compressed_share", 0.0),
-                      "preemptions": st.get("preemptions"),
-                      "blocks_demoted_in_decode": getattr(eng.blocks, "num_demoted", 0) - demoted,
-                      "steps": len(steps), "step_ms_p50": round(q[0], 3),
-                      "step_ms_p90": round(q[1], 3), "step_ms_p99": round(q[2], 3), "step_ms_max": round(max(steps), 3),
-                      "step_ms_sum_top_16th": round(sum(sorted(steps)[-max(1, len(steps) // 16):]), 2),
-                      "by_kind": by_kind(kinds)}  # the router's refresh steps, the steps after them, ...
-        if graphs is not None:  # steps taken from the launch-ahead queue, of the graph steps
-            rows[name].update(graph_steps=graphs.num_steps, steps_launched_ahead=graphs.num_ahead_taken)
-        print(name, rows[name], flush=True)
-        del eng
-        free_device_memory()
+    measured: dict[str, list] = {}
+    for r in range(a.rounds):
+        for name, label, graphs in runs:
+            measured.setdefault(name, []).append(decode_once(path, prompts, warm, label, graphs, a))
+            print(name if a.rounds == 1 else f"{name} round {r + 1}", measured[name][-1], flush=True)
+    if a.rounds == 1:
+        rows = {name: rounds[0] for name, rounds in measured.items()}
+    else:
+        off = {True: measured["off (CUDA graphs)"], False: measured.get("off (eager)")}
+        rows = {name: over_rounds(rounds, off[name.endswith("(CUDA graphs)")]) for name, rounds in measured.items()}
+        for name, row in rows.items():
+            print(f"{name}: median {row['decode_tokens_per_s']} tok/s, {row['ratio_to_off_median']}x of full "
+                  f"precision (by round {row['ratio_to_off_by_round']})", flush=True)
     return {"mode": "gpu-decode", "shape": a.shape, "context": a.context, "batch": a.batch, "steps": a.steps,
-            "device": torch.cuda.get_device_name(), "results": rows}
+            "rounds": a.rounds, "device": torch.cuda.get_device_name(), "results": rows}
 
 
 def capacity(a) -> dict:
@@ -567,6 +600,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--eager", action="store_true", help="--gpu: also every setting without CUDA graphs")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--gpu: every setting this many times, alternating; medians and ratios by round")
     ap.add_argument("--blocks", action="store_true",
                     help="add router-int8-blocks and router-int4-blocks (router_select = \"blocks\")")
     ap.add_argument("--workdir", default="/tmp/o3edge-bench-router")

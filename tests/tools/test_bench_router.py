@@ -36,3 +36,16 @@ def test_device_info_on_cpu():
     eng = SimpleNamespace(info=SimpleNamespace(device="cpu", dtype="float32"))
     w = bench_router.device_info(eng, 1)
     assert w["device"] == "cpu" and w["dtype"] == "float32" and w["threads"] == 1 and w["device_name"]
+
+
+def test_rounds_report_the_median_and_each_rounds_ratio_to_full_precision():
+    """--gpu --rounds: a setting's rows over alternating rounds, each compared with full precision's run of
+    the same round, so a round where the machine ran slow for both does not count against the setting."""
+    off = [{"decode_tokens_per_s": 40000.0}, {"decode_tokens_per_s": 20000.0}, {"decode_tokens_per_s": 30000.0}]
+    router = [{"decode_tokens_per_s": 36000.0, "steps": 127}, {"decode_tokens_per_s": 21000.0, "steps": 127},
+              {"decode_tokens_per_s": 30000.0, "steps": 127}]
+    row = bench_router.over_rounds(router, off)
+    assert row["decode_tokens_per_s"] == 30000.0
+    assert row["ratio_to_off_by_round"] == [0.9, 1.05, 1.0]
+    assert row["ratio_to_off_median"] == 1.0
+    assert row["rounds"] == router and row["steps"] == 127
