@@ -417,6 +417,38 @@ def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype
     assert torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("variant", ["first", "fast", "halves"])  # O3EDGE_ROUTER_FAST=0, the default, and halves
+def test_router_decode_kernel_takes_a_large_query_into_float16_range(variant, monkeypatch, device="cpu",
+                                                                      dtype=torch.float16):
+    """The compressed pool's float16 dots see the query scaled by a power of two into float16's range: an
+    INT4 query rotated by the Hadamard matrix grows up to sqrt(hd) times, here past 65,504 (inf in float16,
+    and NaN in the output, without the scaling), and the output still matches dequantize-then-attend."""
+    from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
+    from o3edge.engine.rope import apply_rope
+
+    monkeypatch.setenv("O3EDGE_ROUTER_FAST", "0" if variant == "first" else "1")
+    monkeypatch.setenv("O3EDGE_ROUTER_HALVES", "1" if variant == "halves" else "0")
+    torch.manual_seed(9)
+    H, KVH, hd, bs, nblocks, mb = 2, 1, 64, 8, 4, 4
+    kv = (torch.randn(2, (nblocks + 1) * bs, KVH, hd) * 2).to(device, dtype)
+    rot = hadamard(hd, device=device)
+    codes, scales = quantize(torch.randn(2, 4 * bs, KVH, hd, device=device) * 2, "int4", rot)
+    freqs = torch.zeros(64, hd // 2)  # RoPE at angle 0: the query stays as it is
+    cos, sin = torch.cat((freqs, freqs), -1).cos().to(device), torch.cat((freqs, freqs), -1).sin().to(device)
+    meta = router_meta([(1, 29, [0], [1, 2, 3])], mb, nblocks * bs, bs).to(device)  # 5 full keys, 24 compressed
+    qkv = torch.randn(1, (H + 2 * KVH) * hd, device=device)
+    qkv[0, :H * hd] = 2e4  # every query coordinate 20,000: rotated, 160,000 in one of them
+    qkv = qkv.to(dtype)
+    q = apply_rope(qkv[:, :H * hd].view(1, H, hd).float(), cos[29:30], sin[29:30])
+    assert (q @ rot).abs().max() > 65504
+    out = router_decode_attention(qkv, cos, sin, meta, kv[0].clone(), kv[1].clone(), codes, scales, rot, "int4", H,
+                                  bs, 1)
+    want = router_decode_reference(qkv, cos, sin, meta, kv[0].clone(), kv[1].clone(), codes, scales, rot, "int4",
+                                   H, bs)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("splits", [1, 3])

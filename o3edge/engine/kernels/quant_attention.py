@@ -260,7 +260,7 @@ def _add_mass(row, idx, mask, p, H: tl.constexpr):
 
 @triton.jit
 def _observe(q, qf, k_new, lse, g_mask, n_full, n_comp, meta, MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot,
-             k_codes, k_scales, c_slot, c_head, s_slot, s_head, kvh, d, sm_scale, row, MASS_P, H: tl.constexpr,
+             k_codes, k_scales, c_slot, c_head, s_slot, s_head, kvh, d, sm_scale, c_scale, row, MASS_P, H: tl.constexpr,
              HD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
              NB: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr):
     """Saliency observed inside the step (one key split, so lse is the row's final log-sum-exp): the
@@ -283,10 +283,21 @@ def _observe(q, qf, k_new, lse, g_mask, n_full, n_comp, meta, MAX_BLOCKS, k_cach
     j = n_comp * 0
     while j < n_comp:
         n_mask, _, s = _cblock_scores(qf, j, n_comp, meta + 5 + MAX_BLOCKS, k_codes, k_scales, kvh, d, c_slot, c_head,
-                                      s_slot, s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
+                                      s_slot, s_head, c_scale, HD, KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, dtype)
         p = tl.where(g_mask[:, None] & n_mask[None, :], tl.exp(s - lse[:, None]), 0.0)
         _add_mass(row + MASS_P, j * KV_BLOCK + tl.arange(0, CBLOCK_N), n_mask, p, H)
         j += NB
+
+
+@triton.jit
+def _f16_range(x, sm_scale):
+    """(x 2^-e, sm_scale 2^e) with e >= 0 the smallest that takes x's largest magnitude to at most 2^14: a
+    query in float32 made safe for the compressed pool's float16 dots (float16 holds up to 65,504, bfloat16
+    far more), its scores coming out the same. A power of two scales exactly; e is 0, nothing changes,
+    for any query below 16,384."""
+    top = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    e = tl.maximum(tl.ceil(tl.log2(top) - 14.0), 0.0)
+    return x * tl.exp2(-e), sm_scale * tl.exp2(e)
 
 
 @triton.jit
@@ -396,6 +407,9 @@ def _router_decode_kernel(
 
     # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
     qf = _rotated(q.to(tl.float32), rot_ptr, d, n_comp, HD, BITS, FAST)
+    c_scale = sm_scale  # the compressed pool's score scale
+    if F16:
+        qf, c_scale = _f16_range(qf, sm_scale)
     per = tl.cdiv(n_comp, NUM_SPLITS)
     j_start = split * per
     j_end = tl.minimum(j_start + per, n_comp)
@@ -411,21 +425,21 @@ def _router_decode_kernel(
         while j < j_end:  # NB blocks a tile (a while loop: the interpreter takes no tensor as a range bound)
             m_c, l_c, acc_e, acc_o = _attend_halves(qe, qo, m_c, l_c, acc_e, acc_o, j, j_end, ctable, k_codes,
                                                     v_codes, k_scales, v_scales, kvh, c_slot, c_head, s_slot,
-                                                    s_head, sm_scale, HD, KV_BLOCK, NB, CBLOCK_N)
+                                                    s_head, c_scale, HD, KV_BLOCK, NB, CBLOCK_N)
             j += NB
         acc_c = tl.reshape(tl.join(acc_e, acc_o), [G_PAD, HD_PAD])
     elif INTERPRET:
         j = j_start
         while j < j_end:  # NB blocks a tile
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
-                                              v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
+                                              v_scales, kvh, d, c_slot, c_head, s_slot, s_head, c_scale, HD,
                                               KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, cdtype, FAST, SCORES, c_row, g,
                                               g_mask, 2 * MASS_P)
             j += NB
     else:
         for j in range(j_start, j_end, NB):
             m_c, l_c, acc_c = _attend_cblocks(qf, m_c, l_c, acc_c, j, j_end, ctable, k_codes, v_codes, k_scales,
-                                              v_scales, kvh, d, c_slot, c_head, s_slot, s_head, sm_scale, HD,
+                                              v_scales, kvh, d, c_slot, c_head, s_slot, s_head, c_scale, HD,
                                               KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, cdtype, FAST, SCORES, c_row, g,
                                               g_mask, 2 * MASS_P)
     acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS, FAST)  # back from the rotated basis
@@ -441,7 +455,7 @@ def _router_decode_kernel(
     if OBSERVE:  # one split: this program has seen every key, so the final lse is known
         _observe(q, qf, k_new, m_safe + tl.log(tl.where(l_all > 0, l_all, 1.0)), g_mask, n_full, n_comp, meta,
                  MAX_BLOCKS, k_cache_ptr, v_cache_ptr, stride_slot, k_codes, k_scales, c_slot, c_head,
-                 s_slot, s_head, kvh, d, sm_scale, mass_ptr + (b * KVH + kvh) * 2 * MASS_P, MASS_P, H, HD,
+                 s_slot, s_head, kvh, d, sm_scale, c_scale, mass_ptr + (b * KVH + kvh) * 2 * MASS_P, MASS_P, H, HD,
                  KV_BLOCK, BLOCK_N, CBLOCK_N, NB, BITS, IEEE, cdtype)
     store_rows(acc_all, l_all, m_safe, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr,
                (b * H + kvh * G + g) * NUM_SPLITS + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
@@ -468,7 +482,8 @@ def f16_dots() -> bool:
     again, two conversions an element. The query (bfloat16) is exact in float16 within its range, and the
     probabilities times the value scales keep more bits than in bfloat16. Compiled for sm_90
     (tools/kernel_sass.py router, llama-1b at 4K x 16, bf16): INT8 2,464 -> 2,248 instructions (no F2FP;
-    HADD2 208 -> 80) but 128 -> 140 registers, INT4 2,896 -> 2,728 and 160 -> 140; hence register_cap."""
+    HADD2 208 -> 80) but 128 -> 140 registers, INT4 2,896 -> 2,728 and 160 -> 140; hence register_cap. The
+    query is taken into float16's range first (_f16_range), as it is for a float16 cache's dots."""
     return os.environ.get("O3EDGE_ROUTER_F16", "1") != "0"
 
 
@@ -523,6 +538,8 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     rot = rotation if rotation is not None else cos
     on = pdl.enabled(str(qkv.device))
     fast = fast_codes()
+    # the compressed pool's dots in float16 (the query then taken into its range: _f16_range)
+    f16 = k_cache.dtype == torch.float16 or (fast and k_cache.dtype != torch.float32 and f16_dots())
     # compressed keys: 128 a tile (whole blocks) where the block size is a power of 2 up to 128, else one
     # block; on the H200 (llama-1b, 16 sequences at 4,096 tokens, 3 key splits) uniform INT8 took 71.5 us a
     # layer with 64 and 48.3 with 128, INT4 119.5 and 94.0 (tools/bench_attention.py --grid)
@@ -540,9 +557,8 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         BLOCK_N=block_n, CBLOCK_N=cblock, NB=nb,
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
         OBSERVE=observe and not scored, INTERPRET=INTERPRET, PDL=on, FAST=fast, SCORES=scored,
-        F16=fast and k_cache.dtype != torch.float32 and f16_dots(),
-        HALVES=(mode == "int4" and fast and k_cache.dtype != torch.float32 and f16_dots() and not observe
-                and HD & (HD - 1) == 0 and os.environ.get("O3EDGE_ROUTER_HALVES") == "1"), num_warps=warps,
+        F16=f16, HALVES=(mode == "int4" and fast and f16 and not observe and HD & (HD - 1) == 0
+                         and os.environ.get("O3EDGE_ROUTER_HALVES") == "1"), num_warps=warps,
         num_stages=stages, **pdl.launch_options(on), **register_cap(observe))
     out = merge_splits(out, part_o, part_lse, num_splits, on)
     if scored:
