@@ -103,11 +103,15 @@ def _run_wrappers() -> None:
             router_decode_attention(qkv, cos, cos, router_meta, cache, cache, codes, scales, rot, mode, H, bs, splits)
         # a refresh step: the attention kernel observes (one key split)
         router_decode_attention(qkv, cos, cos, router_meta, cache, cache, codes, scales, rot, mode, H, bs, 1, mass=mass)
+    halves = os.environ.get("O3EDGE_ROUTER_HALVES")
     os.environ["O3EDGE_ROUTER_HALVES"] = "1"  # INT4's codes in two halves (off by default, to measure)
     try:
         router_decode_attention(qkv, cos, cos, router_meta, cache, cache, codes, scales, rot, "int4", H, bs, 3)
     finally:
-        del os.environ["O3EDGE_ROUTER_HALVES"]
+        if halves is None:
+            del os.environ["O3EDGE_ROUTER_HALVES"]
+        else:
+            os.environ["O3EDGE_ROUTER_HALVES"] = halves
     float_logits_and_argmax(torch.zeros(2, 32000, dtype=h))
     add_rmsnorm(torch.zeros(4, K, dtype=h), torch.zeros(4, K, dtype=h), nw, 1e-6)
     silu_mul(torch.zeros(4, 2 * K, dtype=h))

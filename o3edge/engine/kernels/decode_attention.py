@@ -106,18 +106,26 @@ def paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, 
 
 
 @triton.jit
-def softmax_step(s, v, m, l_sum, acc, IEEE: tl.constexpr, dtype, MAYBE_EMPTY: tl.constexpr = False, v_scale=None):
-    """One tile of an online softmax: scores s [rows, keys] (masked: -inf), values v [keys, hd] -> the
-    running max, sum and weighted values. Every row has seen a key by its first tile, unless MAYBE_EMPTY
-    (a key split that may start past a row's position): then a row that has seen none keeps sum and
-    values 0 and max -inf. v_scale [keys]: each value row is v_scale times v (compressed values' codes)."""
+def softmax_weights(s, m, l_sum, MAYBE_EMPTY: tl.constexpr = False):
+    """One tile of an online softmax's bookkeeping: scores s [rows, keys] (masked: -inf) -> the new running
+    max and sum, the tile's weights p [rows, keys] and the factor alpha [rows] the values so far are scaled
+    by. Every row has seen a key by its first tile, unless MAYBE_EMPTY (a key split that may start past a
+    row's position): then a row that has seen none keeps sum 0 and max -inf."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_ref = m_new
     if MAYBE_EMPTY:
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(s - m_ref[:, None])
     alpha = tl.exp(m - m_ref)
-    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    return m_new, l_sum * alpha + tl.sum(p, axis=1), p, alpha
+
+
+@triton.jit
+def softmax_step(s, v, m, l_sum, acc, IEEE: tl.constexpr, dtype, MAYBE_EMPTY: tl.constexpr = False, v_scale=None):
+    """One tile of an online softmax (softmax_weights): scores s [rows, keys] (masked: -inf), values v
+    [keys, hd] -> the running max, sum and weighted values (0 for a row that has seen no key, with
+    MAYBE_EMPTY). v_scale [keys]: each value row is v_scale times v (compressed values' codes)."""
+    m_new, l_sum, p, alpha = softmax_weights(s, m, l_sum, MAYBE_EMPTY)
     pv = p
     if v_scale is not None:
         pv = p * v_scale[None, :]

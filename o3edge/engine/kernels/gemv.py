@@ -653,13 +653,14 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) ->
         return (32, 256, 1, 4) if wide else (32, 512 if long else 256, 2, 4)
     if M > 1:
         return 32, min(256, triton.next_power_of_2(K)), 1, 4
-    if int4 and stream_int4(N, K):  # the FFN and the LM head; from 16,384 rows on, 4 programs per SM (a grid with
-        # the packed dot's multiply-adds, docs/results/gpu-2026-12-02j/int4-fma/: llama-1b gate/up 9.7 -> 8.7 us,
-        # tinyllama's head 16.2 -> 15.4)
+    if int4 and stream_int4(N, K):  # the FFN, the LM head, --int4-all's attention projections; from 16,384 rows
+        # on, 4 programs per SM (a grid with the packed dot's multiply-adds, docs/results/gpu-2026-12-02j/int4-fma/:
+        # llama-1b gate/up 9.7 -> 8.7 us, tinyllama's head 16.2 -> 15.4)
         if K >= 4096:
             return 8, 2048, 1, 8, 4
-        if N < 8192:  # the attention projections (--int4-all): whole rows of 2,048 columns, 8 warps (a grid,
-            # docs/results/gpu-2026-12-02k/gemv/: tinyllama QKV 4.6 -> 3.4 us, o 3.7 -> 2.3; llama-1b 5.0 -> 3.4, 3.8 -> 2.2)
+        if N < 8192:  # the attention projections: whole rows of 2,048 columns, 8 warps (a grid,
+            # docs/results/gpu-2026-12-02k/gemv/: tinyllama QKV 4.6 -> 3.4 us, o 3.7 -> 2.3; llama-1b 5.0 -> 3.4,
+            # 3.8 -> 2.2)
             return 8, min(2048, triton.next_power_of_2(K)), 1, 8, 8
         wide = 4 if N >= 16384 else 8
         return 16, min(1024, triton.next_power_of_2(K)), 1, 4, wide

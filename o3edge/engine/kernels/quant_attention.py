@@ -21,7 +21,8 @@ import triton.language as tl
 
 from o3edge.engine.kernels import INTERPRET, pdl
 from o3edge.engine.kernels.decode_attention import (attend_range, attend_self, head_ranges, key_tile, new_token,
-                                                     paged_scores, softmax_init, softmax_step, split_range,
+                                                     paged_scores, softmax_init, softmax_step, softmax_weights,
+                                                     split_range,
                                                      store_rows, store_scores)
 from o3edge.engine.kernels.gemv import offset_half
 
@@ -76,6 +77,17 @@ def _load_dequant(codes_ptr, scales_ptr, slot, n_mask, kvh, d, stride_slot, stri
 
 
 @triton.jit
+def _cblock_slots(j, j_end, table, KV_BLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK_N: tl.constexpr):
+    """Compressed blocks table[j .. j+NB) (those before j_end) as one tile of CBLOCK_N >= NB * KV_BLOCK keys:
+    (their mask, their slots)."""
+    offs = tl.arange(0, CBLOCK_N)
+    bi = j + offs // KV_BLOCK
+    n_mask = (offs < NB * KV_BLOCK) & (bi < j_end)
+    blk = tl.load(table + bi, mask=n_mask, other=0)
+    return n_mask, blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
+
+
+@triton.jit
 def _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, stride_head, s_slot, s_head, sm_scale,
                    HD: tl.constexpr, KV_BLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK_N: tl.constexpr,
                    BITS: tl.constexpr, IEEE: tl.constexpr, dtype: tl.constexpr, SCALE_AFTER: tl.constexpr = False):
@@ -85,11 +97,7 @@ def _cblock_scores(q, j, j_end, table, k_codes, k_scales, kvh, d, stride_slot, s
     the tensor cores in the cache's dtype, as the full-precision keys do. SCALE_AFTER: the codes themselves
     (integers, exact in float16 and bfloat16) meet the query, and each key's score is scaled after the dot
     (a multiply a key instead of one a key element)."""
-    offs = tl.arange(0, CBLOCK_N)
-    bi = j + offs // KV_BLOCK
-    n_mask = (offs < NB * KV_BLOCK) & (bi < j_end)
-    blk = tl.load(table + bi, mask=n_mask, other=0)
-    slot = blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
+    n_mask, slot = _cblock_slots(j, j_end, table, KV_BLOCK, NB, CBLOCK_N)
     if SCALE_AFTER:
         k = _load_codes(k_codes, slot, n_mask, kvh, d, stride_slot, stride_head, HD, BITS, True)
         k_scale = _load_scales(k_scales, slot, n_mask, kvh, s_slot, s_head) * sm_scale
@@ -135,11 +143,7 @@ def _attend_halves(qe, qo, m, l_sum, acc_e, acc_o, j, j_end, table, k_codes, v_c
     an even dimension, its high nibble the next odd one, so the scores are the even half of the (rotated)
     query against the low nibbles plus its odd half against the high ones (two tensor-core dots of HD / 2),
     and the values' even and odd dimensions are two accumulators, joined once after the last tile."""
-    offs = tl.arange(0, CBLOCK_N)
-    bi = j + offs // KV_BLOCK
-    n_mask = (offs < NB * KV_BLOCK) & (bi < j_end)
-    blk = tl.load(table + bi, mask=n_mask, other=0)
-    slot = blk.to(tl.int64) * KV_BLOCK + offs % KV_BLOCK
+    n_mask, slot = _cblock_slots(j, j_end, table, KV_BLOCK, NB, CBLOCK_N)
     half = tl.arange(0, HD // 2)
     base = slot[:, None] * stride_slot + kvh * stride_head + half[None, :]
     k = tl.load(k_codes + base, mask=n_mask[:, None], other=0).to(tl.int32)
@@ -147,10 +151,7 @@ def _attend_halves(qe, qo, m, l_sum, acc_e, acc_o, j, j_end, table, k_codes, v_c
     s = tl.dot(qo, tl.trans(offset_half(((k >> 4) & 0xF) ^ 8, 8)), s)
     k_scale = _load_scales(k_scales, slot, n_mask, kvh, s_slot, s_head) * sm_scale
     s = tl.where(n_mask[None, :], s * k_scale[None, :], float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m - m_new)
-    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    m_new, l_sum, p, alpha = softmax_weights(s, m, l_sum)
     pv = (p * _load_scales(v_scales, slot, n_mask, kvh, s_slot, s_head)[None, :]).to(tl.float16)
     v = tl.load(v_codes + base, mask=n_mask[:, None], other=0).to(tl.int32)
     acc_e = acc_e * alpha[:, None] + tl.dot(pv, offset_half((v & 0xF) ^ 8, 8))
