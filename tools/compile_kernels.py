@@ -104,7 +104,7 @@ def _run_wrappers() -> None:
         # a refresh step: the attention kernel observes (one key split)
         router_decode_attention(qkv, cos, cos, router_meta, cache, cache, codes, scales, rot, mode, H, bs, 1, mass=mass)
     halves = os.environ.get("O3EDGE_ROUTER_HALVES")
-    os.environ["O3EDGE_ROUTER_HALVES"] = "1"  # INT4's codes in two halves (off by default, to measure)
+    os.environ["O3EDGE_ROUTER_HALVES"] = "0"  # INT4's codes interleaved (O3EDGE_ROUTER_HALVES=0, to measure against)
     try:
         router_decode_attention(qkv, cos, cos, router_meta, cache, cache, codes, scales, rot, "int4", H, bs, 3)
     finally:

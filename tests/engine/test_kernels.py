@@ -106,6 +106,8 @@ def _decode_case(lens, H, KVH, HD, block_size, dtype, seed=0):
     ([97, 777], 4, 4, 32, 32, 3),          # MHA, splits that do not divide the length
     ([1100, 600, 3], 8, 2, 64, 16, 4),     # 4, 3 and 1 splits with keys in one step
     ([70, 12], 4, 1, 128, 16, 2),          # one KV head for all (GQA 4), head_dim 128
+    ([300], 32, 4, 64, 16, 4),             # one row: first tiles loaded before the wait; the last split empty
+    ([1], 8, 2, 32, 16, 3),                # one row, the first token: every split empty
 ])
 def test_decode_attention_matches_reference(dtype, lens, H, KVH, HD, block_size, splits):
     qkv, cos, sin, meta, kc, vc = _decode_case(lens, H, KVH, HD, block_size, dtype, seed=len(lens))

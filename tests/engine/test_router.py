@@ -382,7 +382,7 @@ def router_meta(rows, max_blocks, scratch_slot, bs):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # half: the tensor-core path, 64 keys a tile
 # codes on the tensor cores, scaled after; INT4 rotated by butterflies; f16: those dots in float16 whatever the cache's
-# halves: INT4's codes never interleaved, two dots of half the head dimension (O3EDGE_ROUTER_HALVES, off by default)
+# halves: INT4's codes never interleaved, two dots of half the head dimension (the default; O3EDGE_ROUTER_HALVES=0 off)
 @pytest.mark.parametrize("fast", ["0", "1", "f16", "halves"])
 def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype, fast, monkeypatch, device="cpu"):
     from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference

@@ -6,7 +6,8 @@ new key and value into the sequence's cache slot (split 0 only), and attends the
 heads to the cached keys, read in place through the block table: no gather of the context into a
 padded copy, and nothing about the context length is baked into the launch, so one CUDA graph per
 batch size serves every length. Long contexts are split along the key axis over several programs
-whose partial results are merged by log-sum-exp in a second small kernel.
+whose partial results are merged by log-sum-exp in a second small kernel. At one row each program's
+first tile of cached keys is in flight before it waits for the QKV projection (prefetch_keys).
 
 Step metadata is one int32 matrix per step, `meta` [B, 3 + max_blocks]: token id, position, cache
 slot, then the sequence's block table. A padding row has position 0, the scratch slot and block 0:
@@ -14,6 +15,8 @@ it attends only to itself.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -87,10 +90,10 @@ def store_scores(row, idx, mask, s, g, g_mask, stride):
 
 
 @triton.jit
-def paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD: tl.constexpr,
-                 KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """Keys n0 .. n0+BLOCK_N (those below end) of one KV head, read in place through a block table:
-    (their positions, which are below end, q·k scores [rows, BLOCK_N] unscaled, values [BLOCK_N, HD_PAD])."""
+def paged_tile(n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD: tl.constexpr,
+               KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys n0 .. n0+BLOCK_N (those below end) of one KV head, read in place through a block table: (their
+    positions, which are below end, keys and values [BLOCK_N, HD_PAD], 0 past end)."""
     offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs < end
     blk = tl.load(table + offs // KV_BLOCK, mask=n_mask, other=0).to(tl.int64)
@@ -98,11 +101,24 @@ def paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, 
     kv_mask = n_mask[:, None] & (d < HD)[None, :]
     k = tl.load(k_cache_ptr + src[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HD_PAD]
     v = tl.load(v_cache_ptr + src[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return offs, n_mask, k, v
+
+
+@triton.jit
+def tile_scores(q, k, IEEE: tl.constexpr):
+    """q·k scores [rows, keys] of queries [rows, HD_PAD] and keys [keys, HD_PAD], unscaled."""
     if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    return offs, n_mask, s, v
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def paged_scores(q, n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD: tl.constexpr,
+                 KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """paged_tile's keys n0 .. n0+BLOCK_N: (their positions, q·k scores [rows, BLOCK_N] unscaled, values)."""
+    offs, n_mask, k, v = paged_tile(n0, end, table, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD, KV_BLOCK,
+                                    BLOCK_N)
+    return offs, n_mask, tile_scores(q, k, IEEE), v
 
 
 @triton.jit
@@ -143,18 +159,27 @@ def _decode_attention_kernel(
         out_ptr, stride_out, part_o_ptr, part_lse_ptr, sm_scale,
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr,
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        QK_NORM: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        QK_NORM: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr):
     pdl.launch_next(PDL)
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
     meta = meta_ptr + b * stride_meta
     d, g, g_mask = head_ranges(HD_PAD, G_PAD, G)
+    if PREFETCH:  # the split's first tile of cached keys is no kernel's output: in flight before the wait
+        start, end = split_range(tl.load(meta + 1), split, NUM_SPLITS, BLOCK_N)
+        offs, n_mask, k0, v0 = paged_tile(start, end, meta + 3, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
+                                          KV_BLOCK, BLOCK_N)
     pos, q, k_new, v_new = new_token(qkv_ptr + b * stride_qkv, meta, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
                                      stride_slot, kvh, split, d, g, g_mask, qn_ptr, kn_ptr, eps, H, KVH, G, HD,
                                      QK_NORM, PDL, dtype)
 
     start, end = split_range(pos, split, NUM_SPLITS, BLOCK_N)  # of the pos keys cached before the new token
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
+    if PREFETCH:  # (an empty split's tile is all masked: MAYBE_EMPTY)
+        s = tl.where(n_mask[None, :], tile_scores(q, k0, IEEE) * sm_scale, float("-inf"))
+        m, l_sum, acc = softmax_step(s, v0, m, l_sum, acc, IEEE, dtype, True)
+        start += BLOCK_N
     m, l_sum, acc = attend_range(q, m, l_sum, acc, start, end, meta + 3, k_cache_ptr, v_cache_ptr, stride_slot, kvh,
                                  sm_scale, d, HD, KV_BLOCK, BLOCK_N, IEEE, dtype, INTERPRET)
     if split == 0:  # the new token attends to itself
@@ -281,9 +306,20 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, me
         H=num_heads, KVH=KVH, G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=HD,
         HD_PAD=max(16, triton.next_power_of_2(HD)), KV_BLOCK=block_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, QK_NORM=norm,
-        IEEE=k_cache.dtype == torch.float32, INTERPRET=INTERPRET, PDL=on, num_warps=warps, num_stages=stages,
-        **pdl.launch_options(on))
+        IEEE=k_cache.dtype == torch.float32, INTERPRET=INTERPRET, PDL=on, PREFETCH=prefetch_keys(B),
+        num_warps=warps, num_stages=stages, **pdl.launch_options(on))
     return merge_splits(out, part_o, part_lse, num_splits, on)
+
+
+def prefetch_keys(rows: int) -> bool:
+    """Whether a decode-attention program loads its first tile of cached keys and values before it waits for
+    the QKV projection (programmatic dependent launch, kernels/pdl.py): the block-table lookup and the tile's
+    round trip to memory then overlap the projection's tail instead of following it. At one row, where the
+    projection is o3edge's own streamed kernel (launched with PDL). Above, the projection is cuBLAS's (no
+    overlap to gain) and the prefetch cost time. On the H200 (tools/profile_gpu_step.py, tinyllama-1.1b
+    fp16, graph replay; docs/results/gpu-2026-12-03/): batch 1 0.784 -> 0.749 ms a step (every linear INT4
+    0.560 -> 0.544), batch 8 1.104 -> 1.164. `O3EDGE_ATTN_PREFETCH=0` never prefetches (to measure against)."""
+    return rows == 1 and os.environ.get("O3EDGE_ATTN_PREFETCH") != "0"
 
 
 def key_tile(head_dim: int) -> int:

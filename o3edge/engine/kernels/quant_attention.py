@@ -488,6 +488,16 @@ def f16_dots() -> bool:
     return os.environ.get("O3EDGE_ROUTER_F16", "1") != "0"
 
 
+def halves_int4() -> bool:
+    """Whether INT4's compressed tiles run as two halves (_attend_halves: even and odd coordinates, each a
+    float16 dot of half the head dimension, two value accumulators joined once) instead of interleaving the
+    codes back into one tile (O3EDGE_ROUTER_HALVES=0). Taken where the codes are fast, the dots float16
+    and the head dimension a power of 2. On the H200 (tools/bench_attention.py --cases int4, llama-1b,
+    16 sequences at 4,096 tokens, bf16, every sealed block INT4; docs/results/gpu-2026-12-03/a2/) a layer
+    took 51.3 us interleaved and 40.3 in halves, against 43.0 for full-precision bf16 K/V."""
+    return os.environ.get("O3EDGE_ROUTER_HALVES", "1") != "0"
+
+
 def register_cap(observe: bool) -> dict:
     """Launch options capping the router kernel's registers at 104 a thread (O3EDGE_ROUTER_MAXNREG=R: R, 0:
     none), so that four programs of four warps fit an SM (router_graph.router_attention_per_sm), INT4's
@@ -559,7 +569,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
         OBSERVE=observe and not scored, INTERPRET=INTERPRET, PDL=on, FAST=fast, SCORES=scored,
         F16=f16, HALVES=(mode == "int4" and fast and f16 and not observe and HD & (HD - 1) == 0
-                         and os.environ.get("O3EDGE_ROUTER_HALVES") == "1"), num_warps=warps,
+                         and halves_int4()), num_warps=warps,
         num_stages=stages, **pdl.launch_options(on), **register_cap(observe))
     out = merge_splits(out, part_o, part_lse, num_splits, on)
     if scored:
