@@ -141,6 +141,11 @@ def trace(eng, a) -> dict:
             "gpu_ms_per_decode_step": round(sum(ms for _, ms in kernels.values()) / len(kinds), 3)}
 
 
+def _median(xs: list[float]) -> float | None:
+    """The median in ms to 3 decimals; None without any (a setting with no refresh steps, such as uniform INT8)."""
+    return round(statistics.median(xs), 3) if xs else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setting", default="router-int8")
@@ -197,10 +202,9 @@ def main() -> None:
             continue
         ref = [x for x, k in zip(xs, kinds) if k]
         other = [x for x, k in zip(xs, kinds) if not k]
-        out["parts_ms"][label] = {"refresh": round(statistics.median(ref), 3) if ref else None,
-                                  "other": round(statistics.median(other), 3) if other else None, "n": len(xs)}
-    out["engine_step_ms"] = {"refresh": round(statistics.median([x for x, k in steps if k]), 3),
-                             "other": round(statistics.median([x for x, k in steps if not k]), 3),
+        out["parts_ms"][label] = {"refresh": _median(ref), "other": _median(other), "n": len(xs)}
+    out["engine_step_ms"] = {"refresh": _median([x for x, k in steps if k]),
+                             "other": _median([x for x, k in steps if not k]),
                              "refresh_steps": sum(kinds), "steps": len(steps)}
     print(json.dumps(out, indent=1))
     if a.json:
