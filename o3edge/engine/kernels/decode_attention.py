@@ -166,15 +166,14 @@ def _decode_attention_kernel(
     dtype = k_cache_ptr.dtype.element_ty
     meta = meta_ptr + b * stride_meta
     d, g, g_mask = head_ranges(HD_PAD, G_PAD, G)
+    # of the pos keys cached before the new token (meta is written before the step's first kernel)
+    start, end = split_range(tl.load(meta + 1), split, NUM_SPLITS, BLOCK_N)
     if PREFETCH:  # the split's first tile of cached keys is no kernel's output: in flight before the wait
-        start, end = split_range(tl.load(meta + 1), split, NUM_SPLITS, BLOCK_N)
         offs, n_mask, k0, v0 = paged_tile(start, end, meta + 3, k_cache_ptr, v_cache_ptr, stride_slot, kvh, d, HD,
                                           KV_BLOCK, BLOCK_N)
-    pos, q, k_new, v_new = new_token(qkv_ptr + b * stride_qkv, meta, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
-                                     stride_slot, kvh, split, d, g, g_mask, qn_ptr, kn_ptr, eps, H, KVH, G, HD,
-                                     QK_NORM, PDL, dtype)
-
-    start, end = split_range(pos, split, NUM_SPLITS, BLOCK_N)  # of the pos keys cached before the new token
+    _, q, k_new, v_new = new_token(qkv_ptr + b * stride_qkv, meta, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                                   stride_slot, kvh, split, d, g, g_mask, qn_ptr, kn_ptr, eps, H, KVH, G, HD,
+                                   QK_NORM, PDL, dtype)
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
     if PREFETCH:  # (an empty split's tile is all masked: MAYBE_EMPTY)
         s = tl.where(n_mask[None, :], tile_scores(q, k0, IEEE) * sm_scale, float("-inf"))
