@@ -113,6 +113,9 @@ def _run_wrappers() -> None:
         else:
             os.environ["O3EDGE_ROUTER_HALVES"] = halves
     float_logits_and_argmax(torch.zeros(2, 32000, dtype=h))
+    from o3edge.engine.kernels.embedding import embed_rows
+
+    embed_rows(torch.zeros(32000, K, dtype=h), meta, torch.zeros(2, dtype=torch.long))  # graph_copies' input
     add_rmsnorm(torch.zeros(4, K, dtype=h), torch.zeros(4, K, dtype=h), nw, 1e-6)
     silu_mul(torch.zeros(4, 2 * K, dtype=h))
 
@@ -121,6 +124,7 @@ KERNELS = {
     "o3edge.engine.kernels.gemv": ["_skinny_kernel", "_row_stream_kernel"],
     "o3edge.engine.kernels.decode_attention": ["_decode_attention_kernel", "_merge_splits_kernel"],
     "o3edge.engine.kernels.argmax": ["_chunk_argmax_kernel", "_pick_chunk_kernel"],
+    "o3edge.engine.kernels.embedding": ["_embed_rows_kernel"],
     "o3edge.engine.kernels.quant_attention": ["_router_decode_kernel"],
     "o3edge.engine.kernels.norm": ["_add_rmsnorm_kernel"],
     "o3edge.engine.kernels.activation": ["_silu_mul_kernel"],

@@ -111,7 +111,9 @@ def main():
                          ("decode step without skinny matmuls, uncaptured", unfused)):
             count, gpu_us, top = kernels(fn)
             out[name] = dict(kernels=count, kernels_per_layer=count / e.info.args.num_layers, gpu_us=gpu_us, top=top)
-        out["graph_replay_ms"] = replay_ms(graphs.graphs[B][0])
+        # with O3EDGE_GRAPH_COPIES=1 (cuda_graph.graph_copies) two graphs a bucket, each with its copies
+        out["graph_replay_ms"] = replay_ms(graphs.graphs[(B, 0) if graphs.copies else B][0])
+        out["graph_copies"] = graphs.copies
         out["pdl"] = pdl.enabled("cuda")
         out["variants"] = {}
         for variant in (a.variants.split(";") if a.variants else []):  # the same step captured again

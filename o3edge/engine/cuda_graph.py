@@ -15,6 +15,7 @@ smaller than its bucket) write into a scratch slot that no sequence owns.
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -40,6 +41,16 @@ def attention_splits(batch: int, kv_heads: int, num_sms: int, per_sm: int, one_w
     return max(1, min(MAX_SPLITS, target // programs if one_wave else -(-target // programs)))
 
 
+def graph_copies() -> bool:
+    """Whether each decode graph holds its own copies (O3EDGE_GRAPH_COPIES=1; off by default, not yet
+    measured on a GPU): the step's metadata in from pinned host memory and its greedy tokens out, with a
+    launched-ahead step's input tokens taken on the device inside the graph (kernels/embedding.py). Two
+    graphs a bucket, one per host buffer. Without it, three copies and a cast kernel run between two
+    graphs on the stream: at batch 1 whole generations took 0.766 ms a step against 0.749 in graph replay
+    (tinyllama fp16 on the H200, docs/benchmarks.md, eleventh round)."""
+    return os.environ.get("O3EDGE_GRAPH_COPIES") == "1"
+
+
 def buckets(limit: int, start: int) -> list[int]:
     """start, 2*start, ... up to and including limit."""
     out, b = [], start
@@ -53,15 +64,17 @@ def _int32(entries: list[int]) -> np.ndarray:
     return np.asarray(entries, dtype=np.int32)
 
 
-def capture_graphs(sizes: list[int], forward, what: str) -> dict:
-    """size -> (graph, *outputs of forward(size)), captured largest first into one shared memory pool."""
+def capture_graphs(sizes: list, forward, what: str, error_mode: str = "global") -> dict:
+    """size -> (graph, *outputs of forward(size)), captured largest first into one shared memory pool.
+    error_mode: torch.cuda.graph's capture_error_mode ("thread_local" lets the pinned-memory allocator
+    query its events while a graph copies to or from host memory)."""
     graphs, pool = {}, None
     for size in sorted(sizes, reverse=True):
         for _ in range(2):  # warm up (Triton compiles here), as capture requires
             forward(size)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
             outputs = forward(size)
         pool = graph.pool()
         graphs[size] = (graph, *outputs)
@@ -86,9 +99,11 @@ class DecodeGraphs:
 
     ATTENTION_PER_SM = 8  # attention programs per SM that the key splits aim for (attention_splits)
 
-    def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
+    def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None,
+                 copies: bool | None = None):
         self.runner, self.capture = runner, capture
         self.launch_ahead = capture if launch_ahead is None else launch_ahead
+        self.copies = graph_copies() if copies is None else copies
         self.fused = runner.device.type == "cuda"  # skinny matmuls at batch 1 (slow under Triton's interpreter)
         self.block_size = runner.block_size
         self.max_blocks = -(-runner.max_model_len // self.block_size)
@@ -116,7 +131,11 @@ class DecodeGraphs:
         self.rows_host = [torch.zeros(B, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.rows_dev = torch.zeros(B, dtype=torch.long, device=dev)
         self.num_selects = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict = {}  # bucket (with copies: (bucket, parity)) -> (graph, logits, tokens)
+        # with copies: the last step's greedy tokens on the device, and a host buffer and an event a parity
+        self.last = torch.zeros(B, dtype=torch.long, device=dev)
+        self.tokens_hosts = [torch.zeros(B, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self.ahead: list[tuple[int, int, int]] | None = None  # (seq_id, position, token) of the queued step
         self.memo: dict[int, tuple] = {}  # seq_id -> (its table entries, what fill_meta made of them: cached)
         self.num_steps = self.num_ahead_taken = 0
@@ -138,9 +157,30 @@ class DecodeGraphs:
         return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, self.splits[B],
                               self.fused)
 
+    def _forward_copies(self, key: tuple[int, int]):
+        """The step of bucket B with its own copies (graph_copies): metadata from host buffer `parity`,
+        input tokens resolved from `last` on the device, greedy tokens back into host buffer `parity`."""
+        B, parity = key
+        r = self.runner
+        self.meta[:B].copy_(self.meta_host[parity][:B], non_blocking=True)
+        logits, tokens = decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size,
+                                        self.splits[B], self.fused, last=self.last)
+        self.tokens_hosts[parity][:B].copy_(tokens, non_blocking=True)
+        return logits, tokens
+
     def capture_all(self) -> None:
-        """Capture one graph per batch bucket."""
-        self.graphs = capture_graphs(self.batch_buckets, self._forward, "decode")
+        """Capture one graph per batch bucket (with copies, two: one per host buffer)."""
+        if self.copies:
+            keys = [(b, parity) for b in self.batch_buckets for parity in (0, 1)]
+            try:
+                self.graphs = capture_graphs(keys, self._forward_copies, "decode (with their copies)",
+                                             error_mode="thread_local")
+            except RuntimeError as e:  # an experimental setting must not keep the engine from starting
+                log.warning("decode graphs with their own copies could not be captured (%s): without", e)
+                torch.cuda.synchronize()
+                self.copies = False
+        if not self.copies:
+            self.graphs = capture_graphs(self.batch_buckets, self._forward, "decode")
         log.info("decode attention splits by batch: %s", self.splits)
 
     def _launch(self, batch, B: int, ahead: int = 0, tokens: torch.Tensor | None = None):
@@ -241,10 +281,64 @@ class DecodeGraphs:
         host[:len(rows)] = torch.tensor(rows, dtype=torch.long)
         return self.rows_dev[:len(rows)].copy_(host[:len(rows)], non_blocking=True)
 
+    def _launch_copies(self, batch, B: int, ahead: int = 0, rows: list[int] | None = None):
+        """_launch for graph_copies: queue a step whose graph copies its own metadata in and greedy tokens
+        out; with ahead, row b's input token is row rows[b] of the step queued before (its `last`).
+        Returns (logits, parity): the step's tokens reach tokens_hosts[parity] behind copied[parity]."""
+        parity = self.num_fills % 2
+        host = self.meta_host[parity]
+        self.num_fills += 1
+        self.fill_meta(host.numpy(), batch, B, ahead)
+        if ahead:
+            host[:len(batch), 0] = -1 - torch.tensor(rows if rows is not None else range(len(batch)))
+        if self.capture:
+            graph, logits, _ = self.graphs[(B, parity)]
+            graph.replay()
+        else:
+            logits, _ = self._forward_copies((B, parity))
+        if self.copied[parity] is not None:
+            self.copied[parity].record()
+        return logits, parity
+
+    def _run_copies(self, batch, greedy_only: bool) -> tuple[torch.Tensor | None, list[int] | None]:
+        """run() for graph_copies: the same steps and hooks, the tokens read from the host buffer the
+        step's graph copied them into (no copy, cast or selection queued between graphs)."""
+        n = len(batch)
+        B = next(b for b in self.batch_buckets if b >= n)
+        rows, index = self._is_ahead(batch), None
+        if rows is None:
+            logits, parity = self._launch_copies(batch, B)
+            taken = list(range(n))
+        else:
+            self.num_ahead_taken += 1
+            (logits, parity), taken = self._queued, rows
+            if rows != list(range(n)):  # sequences left the batch: the rows of those that stay
+                index = self._select(rows)
+                logits = None if greedy_only else logits.index_select(0, index)
+        self._ran(batch, rows, index)
+        if not greedy_only:
+            self._taken(batch)
+            return logits[:n], None
+        ahead = self.launch_ahead and self._continues(batch)
+        if ahead:  # step n+1 runs while we return; its input tokens are this step's rows `taken`
+            self._queued = self._launch_copies(batch, B, ahead=1, rows=taken)
+        self._taken(batch)
+        if self.copied[parity] is not None:
+            self.copied[parity].synchronize()
+        out = self.tokens_hosts[parity].tolist()
+        picked = [out[r] for r in taken]
+        if not ahead:
+            return None if logits is None else logits[:n], picked
+        self.ahead = [(seq.seq_id, seq.num_computed_tokens + 1, tok) for (seq, _), tok in zip(batch, picked)]
+        return None, picked
+
     @torch.inference_mode()
     def run(self, batch, greedy_only: bool = False) -> tuple[torch.Tensor | None, list[int] | None]:
         """Logits [n, V] float32 (None once a queued step has overwritten them) and, with
         greedy_only, the greedy tokens as a list, for a decode-only batch of n sequences."""
+        if self.copies:
+            self.num_steps += 1
+            return self._run_copies(batch, greedy_only)
         n = len(batch)
         self.num_steps += 1
         B = next(b for b in self.batch_buckets if b >= n)

@@ -80,16 +80,23 @@ class Step:
 
 
 def decode_forward(model, meta: torch.Tensor, cos, sin, kv_cache, block_size: int, num_splits: int,
-                   fused: bool = True, attention=None):
+                   fused: bool = True, attention=None, last: torch.Tensor | None = None):
     """meta [B, 3 + blocks] -> (logits [B, V] float32, greedy tokens [B]). `attention`, when given,
     replaces decode_attention: attention(layer, qkv, cos, sin, meta, heads, splits, q_norm, k_norm, eps)
-    (the token router's two-pool step, router_graph.py)."""
+    (the token router's two-pool step, router_graph.py). `last`, when given: a metadata token -(r + 1)
+    is row r of it (the step before's greedy tokens, kernels/embedding.py), and this step's greedy tokens
+    are written into it."""
     from o3edge.engine.kernels.argmax import float_logits_and_argmax
     from o3edge.engine.kernels.decode_attention import decode_attention
 
     eps = model.args.rms_norm_eps
     step = Step(eps, meta.shape[0], fused)
-    h = model.embed(meta[:, 0])  # [B, D]
+    if last is None:
+        h = model.embed(meta[:, 0])  # [B, D]
+    else:
+        from o3edge.engine.kernels.embedding import embed_rows
+
+        h = embed_rows(model.embed.weight, meta, last)
     residual = None
     for i, layer in enumerate(model.layers):
         attn = layer.attn
@@ -105,4 +112,4 @@ def decode_forward(model, meta: torch.Tensor, cos, sin, kv_cache, block_size: in
         h = step.silu_linear(gate_up, layer.mlp.down)
     head = model.embed if model.lm_head is None else model.lm_head
     logits, _ = step.norm_linear(h, residual, model.norm.weight, head)
-    return float_logits_and_argmax(logits)
+    return float_logits_and_argmax(logits, None if last is None else last[:meta.shape[0]])

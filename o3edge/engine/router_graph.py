@@ -57,7 +57,7 @@ class RouterDecodeGraphs(DecodeGraphs):
     """DecodeGraphs for a router-on runner (runner.router is the KVRouter)."""
 
     def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
-        super().__init__(runner, max_batch, capture, launch_ahead)
+        super().__init__(runner, max_batch, capture, launch_ahead, copies=False)  # its own steps (graph_copies)
         self.observe_graphs: dict = {}
         self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
         self.observed: dict[int, list] = {}  # ahead (0: launched now, 1: queued) -> rows of an observing step

@@ -134,6 +134,21 @@ def test_decode_attention_with_qk_norm_matches_reference():
     torch.testing.assert_close(kc, kr, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_rows_take_their_token_from_the_metadata_or_the_step_before(dtype):
+    """kernels/embedding.py: a metadata token >= 0 is the row's token; -(r + 1) is row r of `last`."""
+    from o3edge.engine.kernels.embedding import embed_rows, embed_rows_reference
+
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(300, 1100, generator=g).to(DEV, dtype)  # two column blocks, the second partial
+    meta = torch.zeros(5, 7, dtype=torch.int32)
+    meta[:, 0] = torch.tensor([17, -3, 0, -1, 299])
+    last = torch.tensor([250, 3, 123, 9], device=DEV)
+    out = embed_rows(weight, meta.to(DEV), last)
+    torch.testing.assert_close(out, embed_rows_reference(weight, meta.to(DEV), last), atol=0, rtol=0)
+    torch.testing.assert_close(out[1], weight[123], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("prompt_texts", [["def main(argv):\n", "class Queue:\n    \"\"\"A FIFO", "x"],
                                    ["def main(argv):\n"]])  # one row: the skinny matmuls with norm/SiLU fused in
 def test_static_decode_step_gives_the_eager_engines_tokens(checkpoints, prompt_texts):

@@ -46,14 +46,17 @@ def _pick_chunk_kernel(part_val_ptr, part_idx_ptr, token_ptr, num_chunks, BLOCK:
     tl.store(token_ptr + row, tl.min(tl.where(vals == best, idxs, 2147483647), axis=0).to(tl.int64))
 
 
-def float_logits_and_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [B, V] any float dtype -> (float32 copy [B, V], greedy token ids int64 [B])."""
+def float_logits_and_argmax(logits: torch.Tensor, tokens: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [B, V] any float dtype -> (float32 copy [B, V], greedy token ids int64 [B], written into
+    `tokens` when given)."""
     B, V = logits.shape
     num_chunks = triton.cdiv(V, CHUNK)
     out = torch.empty(B, V, device=logits.device, dtype=torch.float32)
     part_val = torch.empty(B, num_chunks, device=logits.device, dtype=torch.float32)
     part_idx = torch.empty(B, num_chunks, device=logits.device, dtype=torch.int32)
-    tokens = torch.empty(B, device=logits.device, dtype=torch.int64)
+    if tokens is None:
+        tokens = torch.empty(B, device=logits.device, dtype=torch.int64)
     on = pdl.enabled(str(logits.device))
     _chunk_argmax_kernel[(B, num_chunks)](logits, out, part_val, part_idx, V, logits.stride(0), out.stride(0),
                                           num_chunks, CHUNK=CHUNK, PDL=on, num_warps=4, **pdl.launch_options(on))
