@@ -9,7 +9,9 @@ The step itself is decode_step.py's (at batch 1, five kernels a layer of its own
 splits' merge: 6.2 on `llama-1b`, launched with programmatic dependent launch, kernels/pdl.py). Attention
 is split along the key axis into enough programs to fill the GPU when the batch alone does not (the
 split sizes follow the context at run time, so the graph does not change). Padding rows (a batch
-smaller than its bucket) write into a scratch slot that no sequence owns.
+smaller than its bucket) write into a scratch slot that no sequence owns. With O3EDGE_GRAPH_COPIES=1
+(graph_copies, prepared and not yet measured on a GPU) each graph also holds its step's copies, the
+metadata in and the greedy tokens out, two graphs a bucket.
 """
 
 from __future__ import annotations
