@@ -283,7 +283,7 @@ class DecodeGraphs:
         host[:len(rows)] = torch.tensor(rows, dtype=torch.long)
         return self.rows_dev[:len(rows)].copy_(host[:len(rows)], non_blocking=True)
 
-    def _launch_copies(self, batch, B: int, ahead: int = 0, rows: list[int] | None = None):
+    def _launch_copies(self, batch, B: int, ahead: int = 0, rows: list[int] = ()):
         """_launch for graph_copies: queue a step whose graph copies its own metadata in and greedy tokens
         out; with ahead, row b's input token is row rows[b] of the step queued before (its `last`).
         Returns (logits, parity): the step's tokens reach tokens_hosts[parity] behind copied[parity]."""
@@ -292,7 +292,7 @@ class DecodeGraphs:
         self.num_fills += 1
         self.fill_meta(host.numpy(), batch, B, ahead)
         if ahead:
-            host[:len(batch), 0] = -1 - torch.tensor(rows if rows is not None else range(len(batch)))
+            host[:len(batch), 0] = -1 - torch.tensor(rows)
         if self.capture:
             graph, logits, _ = self.graphs[(B, parity)]
             graph.replay()
@@ -338,11 +338,10 @@ class DecodeGraphs:
     def run(self, batch, greedy_only: bool = False) -> tuple[torch.Tensor | None, list[int] | None]:
         """Logits [n, V] float32 (None once a queued step has overwritten them) and, with
         greedy_only, the greedy tokens as a list, for a decode-only batch of n sequences."""
+        self.num_steps += 1
         if self.copies:
-            self.num_steps += 1
             return self._run_copies(batch, greedy_only)
         n = len(batch)
-        self.num_steps += 1
         B = next(b for b in self.batch_buckets if b >= n)
         rows, index = self._is_ahead(batch), None
         if rows is None:
