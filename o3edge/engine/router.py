@@ -473,8 +473,10 @@ class KVRouter:
     def _routed(self, batch) -> list:
         """(seq, context, book row) of the sequences this step routes; their books start when their prompt
         ends, observed or not."""
-        due, routed = self._due(), []
+        due, routed, rows = self._due(), [], self.books.rows
         for seq, n in batch:
+            if not due and n == 1 and seq.seq_id in rows and seq.num_output_tokens > 0:
+                continue  # a decoding sequence between refreshes (most steps): nothing to route
             ctx = seq.num_computed_tokens + n
             if ctx < len(seq):
                 continue  # a prompt chunk that does not end the prompt

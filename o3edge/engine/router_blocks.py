@@ -140,7 +140,7 @@ class RouterBlocks(BlockManager):
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Name the blocks this step filled, then carry out the router's demotions for seq."""
         super().mark_computed(seq, num_tokens)
-        if self.demoter is not None:
+        if self.demoter is not None and self.demoter.plans:
             self.carry_out(seq)
 
     def carry_out(self, seq: Sequence) -> None:
