@@ -67,10 +67,10 @@ def engine_with_stubs(a):
     eng.runner.model = StubModel(vocab)
     graphs = bench_router.uncaptured_graphs(eng, a.batch)
 
-    def forward(B: int, observe: bool = False):  # the graph step's outputs: logits and greedy tokens
+    def decode(B: int, observe: bool = False):  # the graph step's outputs: logits and greedy tokens
         return torch.zeros(B, vocab), torch.full((B,), TOKEN, dtype=torch.long)
 
-    graphs._forward = forward
+    graphs._decode = decode
     return eng, prompts
 
 

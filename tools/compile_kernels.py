@@ -115,7 +115,7 @@ def _run_wrappers() -> None:
     float_logits_and_argmax(torch.zeros(2, 32000, dtype=h))
     from o3edge.engine.kernels.embedding import embed_rows
 
-    embed_rows(torch.zeros(32000, K, dtype=h), meta, torch.zeros(2, dtype=torch.long))  # graph_copies' input
+    embed_rows(torch.zeros(32000, K, dtype=h), meta, torch.zeros(2, dtype=torch.long))  # a launched-ahead step's input
     add_rmsnorm(torch.zeros(4, K, dtype=h), torch.zeros(4, K, dtype=h), nw, 1e-6)
     silu_mul(torch.zeros(4, 2 * K, dtype=h))
 

@@ -107,20 +107,19 @@ def main():
                       graphs.splits[B], fused=False)
     with torch.inference_mode():
         for name, fn in (("eager model (pre-fusion path)", lambda: r.model(ids, pos, r.cos, r.sin, step, r.kv_cache)),
-                         ("fused decode step, uncaptured", lambda: graphs._forward(B)),
+                         ("fused decode step, uncaptured", lambda: graphs._forward((B, 0))),
                          ("decode step without skinny matmuls, uncaptured", unfused)):
             count, gpu_us, top = kernels(fn)
             out[name] = dict(kernels=count, kernels_per_layer=count / e.info.args.num_layers, gpu_us=gpu_us, top=top)
-        # with O3EDGE_GRAPH_COPIES=1 (cuda_graph.graph_copies) two graphs a bucket, each with its copies
-        out["graph_replay_ms"] = replay_ms(graphs.graphs[(B, 0) if graphs.copies else B][0])
-        out["graph_copies"] = graphs.copies
+        out["graph_replay_ms"] = replay_ms(graphs.graphs[(B, 0)][0])  # a step's graph, its copies included
         out["pdl"] = pdl.enabled("cuda")
         out["variants"] = {}
         for variant in (a.variants.split(";") if a.variants else []):  # the same step captured again
             saved = dict(os.environ)
             os.environ.update(dict(kv.split("=") for kv in variant.split(",")))
             pdl.reload()
-            out["variants"][variant] = replay_ms(capture_graphs([B], graphs._forward, variant)[B][0])
+            out["variants"][variant] = replay_ms(capture_graphs([(B, 0)], graphs._forward, variant,
+                                                                error_mode="thread_local")[(B, 0)][0])
             os.environ.clear()
             os.environ.update(saved)
             pdl.reload()

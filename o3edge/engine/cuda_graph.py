@@ -9,15 +9,15 @@ The step itself is decode_step.py's (at batch 1, five kernels a layer of its own
 splits' merge: 6.2 on `llama-1b`, launched with programmatic dependent launch, kernels/pdl.py). Attention
 is split along the key axis into enough programs to fill the GPU when the batch alone does not (the
 split sizes follow the context at run time, so the graph does not change). Padding rows (a batch
-smaller than its bucket) write into a scratch slot that no sequence owns. With O3EDGE_GRAPH_COPIES=1
-(graph_copies, prepared and not yet measured on a GPU) each graph also holds its step's copies, the
-metadata in and the greedy tokens out, two graphs a bucket.
+smaller than its bucket) write into a scratch slot that no sequence owns. Each graph also holds its
+step's copies, the metadata in from pinned host memory and the greedy tokens out to it, so that nothing
+runs on the stream between two graphs: two graphs a bucket, one per host buffer (a step's buffer can
+still be in flight while the next step's is filled).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
@@ -41,16 +41,6 @@ def attention_splits(batch: int, kv_heads: int, num_sms: int, per_sm: int, one_w
         return 1
     target = per_sm * num_sms
     return max(1, min(MAX_SPLITS, target // programs if one_wave else -(-target // programs)))
-
-
-def graph_copies() -> bool:
-    """Whether each decode graph holds its own copies (O3EDGE_GRAPH_COPIES=1; off by default, not yet
-    measured on a GPU): the step's metadata in from pinned host memory and its greedy tokens out, with a
-    launched-ahead step's input tokens taken on the device inside the graph (kernels/embedding.py). Two
-    graphs a bucket, one per host buffer. Without it, three copies and a cast kernel run between two
-    graphs on the stream: at batch 1 whole generations took 0.766 ms a step against 0.749 in graph replay
-    (tinyllama fp16 on the H200, docs/benchmarks.md, eleventh round)."""
-    return os.environ.get("O3EDGE_GRAPH_COPIES") == "1"
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -89,7 +79,8 @@ class DecodeGraphs:
     """Decode steps on static buffers, replayed from one CUDA graph per batch bucket.
 
     With launch_ahead (the default when capturing), a greedy step also queues the next step before it
-    returns: that step's input tokens are this step's greedy outputs, copied on the device, so the GPU
+    returns: that step's input tokens are this step's greedy outputs, read on the device by the next
+    graph's embedding (kernels/embedding.py: a metadata token -(r + 1) is row r of them), so the GPU
     computes step n+1 while the host streams step n's tokens and schedules. If the engine's next batch
     is that same batch one token on, or the same less sequences that finished or were preempted, the
     queued step is taken (the rows of those that left are passed over); if not (a request joined,
@@ -97,15 +88,19 @@ class DecodeGraphs:
     position, into a slot of a block the sequence held (given one step early when the position starts
     a block) that no cached prefix shares, since only full blocks are named; a block freed since is
     written again before it is read, by steps that run after the queued one on the same stream.
+
+    The graphs' own copies (the metadata in, the greedy tokens out, the input tokens taken inside the
+    graph) replaced three copies and a cast kernel that ran between two graphs on the stream, overlapping
+    no kernel: on the H200 (tinyllama fp16, whole generations, both orders in one call) they made decode
+    0.1-0.3% faster at batch 1 and 1-2% at batch 8 and 32, fp16 and INT4-FFN alike
+    (docs/results/gpu-2026-12-03c/).
     """
 
     ATTENTION_PER_SM = 8  # attention programs per SM that the key splits aim for (attention_splits)
 
-    def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None,
-                 copies: bool | None = None):
+    def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
         self.runner, self.capture = runner, capture
         self.launch_ahead = capture if launch_ahead is None else launch_ahead
-        self.copies = graph_copies() if copies is None else copies
         self.fused = runner.device.type == "cuda"  # skinny matmuls at batch 1 (slow under Triton's interpreter)
         self.block_size = runner.block_size
         self.max_blocks = -(-runner.max_model_len // self.block_size)
@@ -127,14 +122,12 @@ class DecodeGraphs:
             m[:, 2] = runner.scratch_slot
         self.meta.copy_(self.meta_host[0])
         self.num_fills = 0
-        self.tokens_host = torch.zeros(B, dtype=torch.long, pin_memory=pinned)
-        self.tokens_ready = torch.cuda.Event() if pinned else None
         # rows of a queued step kept when sequences left the batch (_select); two host buffers as for meta
         self.rows_host = [torch.zeros(B, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.rows_dev = torch.zeros(B, dtype=torch.long, device=dev)
         self.num_selects = 0
-        self.graphs: dict = {}  # bucket (with copies: (bucket, parity)) -> (graph, logits, tokens)
-        # with copies: the last step's greedy tokens on the device, and a host buffer and an event a parity
+        self.graphs: dict = {}  # (bucket, parity) -> (graph, logits, tokens)
+        # the last step's greedy tokens on the device, and a host buffer for them and an event a parity
         self.last = torch.zeros(B, dtype=torch.long, device=dev)
         self.tokens_hosts = [torch.zeros(B, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
@@ -154,55 +147,54 @@ class DecodeGraphs:
         """Whether a step's batch can take this path: decode only, within the largest batch bucket."""
         return all(n == 1 for _, n in batch) and len(batch) <= self.batch_buckets[-1]
 
-    def _forward(self, B: int):
-        r = self.runner
-        return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, self.splits[B],
-                              self.fused)
-
-    def _forward_copies(self, key: tuple[int, int]):
-        """The step of bucket B with its own copies (graph_copies): metadata from host buffer `parity`,
-        input tokens resolved from `last` on the device, greedy tokens back into host buffer `parity`."""
+    def _forward(self, key: tuple[int, int], observe: bool = False):
+        """The step of bucket B with its copies: the metadata from host buffer `parity`, the input tokens of
+        a launched-ahead step from `last` on the device, the greedy tokens back into host buffer `parity`.
+        (observe: the token router's observing step, router_graph.py.)"""
         B, parity = key
-        r = self.runner
         self.meta[:B].copy_(self.meta_host[parity][:B], non_blocking=True)
-        logits, tokens = decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size,
-                                        self.splits[B], self.fused, last=self.last)
+        logits, tokens = self._decode(B, observe)
         self.tokens_hosts[parity][:B].copy_(tokens, non_blocking=True)
         return logits, tokens
 
+    def _decode(self, B: int, observe: bool = False):
+        """The model's decode step over the metadata of bucket B in place: (logits, greedy tokens)."""
+        r = self.runner
+        return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, self.splits[B],
+                              self.fused, last=self.last)
+
+    def graph_keys(self) -> list[tuple[int, int]]:
+        """(bucket, parity): a graph per batch bucket and host buffer."""
+        return [(b, parity) for b in self.batch_buckets for parity in (0, 1)]
+
     def capture_all(self) -> None:
-        """Capture one graph per batch bucket (with copies, two: one per host buffer)."""
-        if self.copies:
-            keys = [(b, parity) for b in self.batch_buckets for parity in (0, 1)]
-            try:
-                self.graphs = capture_graphs(keys, self._forward_copies, "decode (with their copies)",
-                                             error_mode="thread_local")
-            except RuntimeError as e:  # an experimental setting must not keep the engine from starting
-                log.warning("decode graphs with their own copies could not be captured (%s): without", e)
-                torch.cuda.synchronize()
-                self.copies = False
-        if not self.copies:
-            self.graphs = capture_graphs(self.batch_buckets, self._forward, "decode")
+        """Capture the graphs (thread-local capture errors: the pinned-memory allocator queries its events
+        while a graph copies to or from host memory)."""
+        self.graphs = capture_graphs(self.graph_keys(), self._forward, "decode", error_mode="thread_local")
         log.info("decode attention splits by batch: %s", self.splits)
 
-    def _launch(self, batch, B: int, ahead: int = 0, tokens: torch.Tensor | None = None):
-        """Queue a step for batch, each sequence `ahead` positions past its computed tokens (with
-        ahead, its input token is taken from `tokens` on the device). Returns (logits, tokens)."""
-        host = self.meta_host[self.num_fills % 2]
+    def _launch(self, batch, B: int, ahead: int = 0, rows: list[int] = ()):
+        """Queue a step for batch, each sequence `ahead` positions past its computed tokens; with ahead, row
+        b's input token is row rows[b] of the step queued before (its `last`). Returns (logits, parity):
+        the step's greedy tokens reach tokens_hosts[parity] behind copied[parity]."""
+        parity = self.num_fills % 2
+        meta = self.meta_host[parity].numpy()
         self.num_fills += 1
-        self.fill_meta(host.numpy(), batch, B, ahead)
-        self.meta[:B].copy_(host[:B], non_blocking=True)
-        if tokens is not None:
-            self.meta[:len(batch), 0].copy_(tokens[:len(batch)])
-        return self._step(B)
+        self.fill_meta(meta, batch, B, ahead)
+        if ahead:
+            meta[:len(batch), 0] = -1 - np.asarray(rows, dtype=np.int32)
+        logits, _ = self._step((B, parity))
+        if self.copied[parity] is not None:
+            self.copied[parity].record()
+        return logits, parity
 
-    def _step(self, B: int):
-        """Run the step of bucket B over the metadata in place: (logits, greedy tokens)."""
+    def _step(self, key: tuple[int, int]):
+        """Run the step of graph key (bucket, parity): (logits, greedy tokens)."""
         if self.capture:
-            graph, logits, out = self.graphs[B]
+            graph, logits, out = self.graphs[key]
             graph.replay()
             return logits, out
-        return self._forward(B)
+        return self._forward(key)
 
     def cached(self, seq_id: int, entries: list[int], make):
         """make(entries) for a sequence's block-table entries, made again only when they changed since its
@@ -283,33 +275,16 @@ class DecodeGraphs:
         host[:len(rows)] = torch.tensor(rows, dtype=torch.long)
         return self.rows_dev[:len(rows)].copy_(host[:len(rows)], non_blocking=True)
 
-    def _launch_copies(self, batch, B: int, ahead: int = 0, rows: list[int] = ()):
-        """_launch for graph_copies: queue a step whose graph copies its own metadata in and greedy tokens
-        out; with ahead, row b's input token is row rows[b] of the step queued before (its `last`).
-        Returns (logits, parity): the step's tokens reach tokens_hosts[parity] behind copied[parity]."""
-        parity = self.num_fills % 2
-        host = self.meta_host[parity]
-        self.num_fills += 1
-        self.fill_meta(host.numpy(), batch, B, ahead)
-        if ahead:
-            host[:len(batch), 0] = -1 - torch.tensor(rows)
-        if self.capture:
-            graph, logits, _ = self.graphs[(B, parity)]
-            graph.replay()
-        else:
-            logits, _ = self._forward_copies((B, parity))
-        if self.copied[parity] is not None:
-            self.copied[parity].record()
-        return logits, parity
-
-    def _run_copies(self, batch, greedy_only: bool) -> tuple[torch.Tensor | None, list[int] | None]:
-        """run() for graph_copies: the same steps and hooks, the tokens read from the host buffer the
-        step's graph copied them into (no copy, cast or selection queued between graphs)."""
+    @torch.inference_mode()
+    def run(self, batch, greedy_only: bool = False) -> tuple[torch.Tensor | None, list[int] | None]:
+        """Logits [n, V] float32 (None once a queued step has overwritten them) and, with
+        greedy_only, the greedy tokens as a list, for a decode-only batch of n sequences."""
+        self.num_steps += 1
         n = len(batch)
         B = next(b for b in self.batch_buckets if b >= n)
         rows, index = self._is_ahead(batch), None
         if rows is None:
-            logits, parity = self._launch_copies(batch, B)
+            logits, parity = self._launch(batch, B)
             taken = list(range(n))
         else:
             self.num_ahead_taken += 1
@@ -323,7 +298,7 @@ class DecodeGraphs:
             return logits[:n], None
         ahead = self.launch_ahead and self._continues(batch)
         if ahead:  # step n+1 runs while we return; its input tokens are this step's rows `taken`
-            self._queued = self._launch_copies(batch, B, ahead=1, rows=taken)
+            self._queued = self._launch(batch, B, ahead=1, rows=taken)
         self._taken(batch)
         if self.copied[parity] is not None:
             self.copied[parity].synchronize()
@@ -331,42 +306,5 @@ class DecodeGraphs:
         picked = [out[r] for r in taken]
         if not ahead:
             return None if logits is None else logits[:n], picked
-        self.ahead = [(seq.seq_id, seq.num_computed_tokens + 1, tok) for (seq, _), tok in zip(batch, picked)]
-        return None, picked
-
-    @torch.inference_mode()
-    def run(self, batch, greedy_only: bool = False) -> tuple[torch.Tensor | None, list[int] | None]:
-        """Logits [n, V] float32 (None once a queued step has overwritten them) and, with
-        greedy_only, the greedy tokens as a list, for a decode-only batch of n sequences."""
-        self.num_steps += 1
-        if self.copies:
-            return self._run_copies(batch, greedy_only)
-        n = len(batch)
-        B = next(b for b in self.batch_buckets if b >= n)
-        rows, index = self._is_ahead(batch), None
-        if rows is None:
-            logits, tokens = self._launch(batch, B)
-        else:
-            self.num_ahead_taken += 1
-            logits, tokens = self._queued
-            if rows != list(range(n)):  # sequences left the batch: pick the rows of those that stay
-                index = self._select(rows)
-                tokens = tokens.index_select(0, index)
-                logits = None if greedy_only else logits.index_select(0, index)
-        self._ran(batch, rows, index)
-        if not greedy_only:
-            self._taken(batch)
-            return logits[:n], None
-        if not (self.launch_ahead and self._continues(batch)):
-            self._taken(batch)
-            return None if logits is None else logits[:n], tokens[:n].tolist()
-        self.tokens_host[:n].copy_(tokens[:n], non_blocking=True)
-        if self.tokens_ready is not None:
-            self.tokens_ready.record()
-        self._queued = self._launch(batch, B, ahead=1, tokens=tokens)  # step n+1 runs while we return
-        self._taken(batch)
-        if self.tokens_ready is not None:
-            self.tokens_ready.synchronize()
-        picked = self.tokens_host[:n].tolist()
         self.ahead = [(seq.seq_id, seq.num_computed_tokens + 1, tok) for (seq, _), tok in zip(batch, picked)]
         return None, picked

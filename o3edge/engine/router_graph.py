@@ -57,7 +57,7 @@ class RouterDecodeGraphs(DecodeGraphs):
     """DecodeGraphs for a router-on runner (runner.router is the KVRouter)."""
 
     def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
-        super().__init__(runner, max_batch, capture, launch_ahead, copies=False)  # its own steps (graph_copies)
+        super().__init__(runner, max_batch, capture, launch_ahead)
         self.observe_graphs: dict = {}
         self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
         self.observed: dict[int, list] = {}  # ahead (0: launched now, 1: queued) -> rows of an observing step
@@ -93,8 +93,8 @@ class RouterDecodeGraphs(DecodeGraphs):
     def capture_all(self) -> None:
         super().capture_all()
         if self.mass is not None:
-            self.observe_graphs = capture_graphs(self.batch_buckets, functools.partial(self._forward, observe=True),
-                                                 "router observing decode")
+            self.observe_graphs = capture_graphs(self.graph_keys(), functools.partial(self._forward, observe=True),
+                                                 "router observing decode", error_mode="thread_local")
 
     def _attention(self, layer, qkv, cos, sin, meta, heads, splits, q_norm, k_norm, eps, mass=None):
         from o3edge.engine.kernels.quant_attention import router_decode_attention
@@ -104,7 +104,7 @@ class RouterDecodeGraphs(DecodeGraphs):
                                        r.scales[layer], r.rotation, r.cfg.mode, heads, self.block_size, splits,
                                        q_norm, k_norm, eps, mass=mass)
 
-    def _forward(self, B: int, observe: bool = False):
+    def _decode(self, B: int, observe: bool = False):
         r = self.runner
         attention, splits = self._attention, self.splits[B]
         if observe:
@@ -115,22 +115,22 @@ class RouterDecodeGraphs(DecodeGraphs):
             # one split, each program knowing its rows' final log-sum-exp and observing in place
             splits = splits if observe_splits() else 1
         return decode_forward(r.model, self.meta[:B], r.cos, r.sin, r.kv_cache, self.block_size, splits,
-                              self.fused, attention=attention)
+                              self.fused, attention=attention, last=self.last)
 
-    def _launch(self, batch, B: int, ahead: int = 0, tokens=None):
+    def _launch(self, batch, B: int, ahead: int = 0, rows=()):
         self.runner.router.flush_moves()  # blocks demoted since the last step: their codes first
-        out = super()._launch(batch, B, ahead, tokens)
+        out = super()._launch(batch, B, ahead, rows)
         self.observed[ahead] = self.rows
         return out
 
-    def _step(self, B: int):
+    def _step(self, key: tuple[int, int]):
         if self.rows is None:
-            return super()._step(B)
+            return super()._step(key)
         if self.capture:
-            graph, logits, out = self.observe_graphs[B]
+            graph, logits, out = self.observe_graphs[key]
             graph.replay()
             return logits, out
-        return self._forward(B, observe=True)
+        return self._forward(key, observe=True)
 
     def _ran(self, batch, rows, index) -> None:
         """The step taken: when it observed, its rows (of the sequences still in the batch) and a copy of
@@ -168,7 +168,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         for b, (seq, _) in enumerate(batch):
             pos = seq.num_computed_tokens + ahead
             full, comp, full_at, comp_at = self.cached(seq.seq_id, seq.block_table[:pos // bs + 1], self._split)
-            token = 0 if ahead else seq.token_ids[pos]  # a queued step's tokens are copied on the device
+            token = 0 if ahead else seq.token_ids[pos]  # a queued step's tokens are read on the device
             meta[b, :5] = (token, pos, seq.block_table[pos // bs] * bs + pos % bs, pos - len(comp) * bs, len(comp))
             meta[b, 5:5 + len(full)] = full
             meta[b, 5 + mb:5 + mb + len(comp)] = comp

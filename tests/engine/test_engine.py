@@ -287,8 +287,7 @@ def test_paged_prefill_kernel_path_matches_eager(tiny_dir, splits, monkeypatch):
     assert got[1].cached_tokens > 0  # the second round's long prompt reused the first one's prefix
 
 
-@pytest.mark.parametrize("copies", [False, True])  # with copies: the graphs' own (cuda_graph.graph_copies)
-def test_launch_ahead_decode_matches_eager(tiny_dir, copies):
+def test_launch_ahead_decode_matches_eager(tiny_dir):
     """Queuing step n+1 before step n's tokens reach the host (what the GPU does to hide host work)
     changes nothing: sequences that end at different lengths, cross block boundaries at different
     steps, join late or are aborted get the eager path's tokens; every step is taken from the queue but
@@ -299,7 +298,7 @@ def test_launch_ahead_decode_matches_eager(tiny_dir, copies):
     eager = load_for_kernels(tiny_dir, kv_block_size=8)
     ahead = load_for_kernels(tiny_dir, kv_block_size=8, max_model_len=300)
     runner = ahead.engine.runner
-    runner.graphs = DecodeGraphs(runner, 8, capture=False, launch_ahead=True, copies=copies)
+    runner.graphs = DecodeGraphs(runner, 8, capture=False, launch_ahead=True)
     prompts = [eager.engine.encode(p) for p in ("a = 1", "def f(x):\n    return", "import os", "x = [")]
     lengths = (20, 9, 14, 30)  # rows leave the batch at different steps: the queued step serves the rest
 

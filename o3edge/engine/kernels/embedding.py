@@ -1,10 +1,10 @@
 """The decode step's input embeddings, each row's token taken from the step metadata or from the step before.
 
 A step launched ahead (cuda_graph.py) takes as input tokens the greedy tokens of the step queued before
-it, which the host has not seen yet. With the graphs' own copies (`O3EDGE_GRAPH_COPIES=1`), a row's
-metadata token is then -(r + 1): the token is row r of the previous step's greedy output, on the device
-(`last`). One kernel resolves that and gathers the embedding row, in place of a cast copy into the
-metadata before the graph and the embedding lookup inside it.
+it, which the host has not seen yet: a row's metadata token is then -(r + 1), the token being row r of the
+previous step's greedy output, on the device (`last`). One kernel resolves that and gathers the embedding
+row, inside the step's graph (the graph copies its metadata in itself: no cast copy into the metadata runs
+between two graphs).
 """
 
 from __future__ import annotations
