@@ -274,6 +274,27 @@ def test_router_on_is_deterministic_and_demotes_only_eligible_blocks(tiny_dir, m
     assert runs[0] == runs[1]
 
 
+def test_a_prompt_whose_last_chunk_is_one_token_is_routed_when_it_ends(tiny_dir):
+    """A prompt prefilled in chunks whose last chunk is a single token (as a decode step's is) is still
+    routed in the step that ends it, like a prompt prefilled at once: at threshold 0 every eligible block
+    is demoted there, before any decode step."""
+    demoted = []
+    for last in (None, 1):
+        probe = load(tiny_dir, **ROUTED)
+        ids = probe.engine.encode(PROMPT)
+        chunk = {} if last is None else dict(max_num_batched_tokens=len(ids) - last)
+        eng = load(tiny_dir, kv_router="int8", router_threshold=0, **chunk, **ROUTED).engine
+        eng.add_request("r", ids, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        seq, steps = eng.seqs["r"], []
+        while seq.num_output_tokens == 0:  # the prompt's steps
+            before = seq.num_computed_tokens
+            eng.step()
+            steps.append(seq.num_computed_tokens - before)
+        assert steps == ([len(ids)] if last is None else [len(ids) - 1, 1])
+        demoted.append(eng.blocks.num_demoted)
+    assert demoted[0] > 0 and demoted[1] == demoted[0]
+
+
 def test_stats_show_bytes_per_token_and_pool_shares_of_what_is_allocated(tiny_dir):
     off = load(tiny_dir, **ROUTED)
     on = load(tiny_dir, kv_router="int4", **ROUTED)
