@@ -278,10 +278,8 @@ def test_a_prompt_whose_last_chunk_is_one_token_is_routed_when_it_ends(tiny_dir)
     """A prompt prefilled in chunks whose last chunk is a single token (as a decode step's is) is still
     routed in the step that ends it, like a prompt prefilled at once: at threshold 0 every eligible block
     is demoted there, before any decode step."""
-    demoted = []
+    demoted, ids = [], load(tiny_dir, **ROUTED).engine.encode(PROMPT)
     for last in (None, 1):
-        probe = load(tiny_dir, **ROUTED)
-        ids = probe.engine.encode(PROMPT)
         chunk = {} if last is None else dict(max_num_batched_tokens=len(ids) - last)
         eng = load(tiny_dir, kv_router="int8", router_threshold=0, **chunk, **ROUTED).engine
         eng.add_request("r", ids, SamplingParams(max_new_tokens=2, ignore_eos=True))
