@@ -326,14 +326,18 @@ class KVRouter:
         kernels read the pools and before a freed block is handed out again (router_blocks.py)."""
         self.moves.append((block_id, comp))
 
-    @torch.inference_mode()
     def flush_moves(self) -> None:
         """Carry out the queued moves: every source block gathered (a copy) before any is written, so a
         block whose own bytes host its codes is read first. (Demoting one block at a time, a quantization
         each, made the router's refresh steps on a trained model take up to 42 ms with INT8 and 108 ms
-        with INT4 on the H200: tools/bench_router.py --gpu --shape model, docs/benchmarks.md, ninth round.)"""
-        if not self.moves:
-            return
+        with INT4 on the H200: tools/bench_router.py --gpu --shape model, docs/benchmarks.md, ninth round.)
+        Called before every graph step and every block handed out, it returns at once when nothing is
+        queued, before entering inference mode (whose entry and exit cost more than the check)."""
+        if self.moves:
+            self._quantize_moves()
+
+    @torch.inference_mode()
+    def _quantize_moves(self) -> None:
         bs = self.block_size
         blocks = torch.tensor(self.moves, dtype=torch.long)
         slots = on_device((blocks[:, :, None] * bs + torch.arange(bs)).transpose(0, 1).reshape(2, -1), self.device)
@@ -379,7 +383,11 @@ class KVRouter:
     def needs_eager(self, batch) -> bool:
         """Whether a step over batch must run eager (router_graph.py): a prompt's step, or a sequence
         whose books have not started."""
-        return any(seq.seq_id not in self.books.rows or n != 1 or seq.num_output_tokens == 0 for seq, n in batch)
+        rows = self.books.rows  # a plain loop: this runs before every step
+        for seq, n in batch:
+            if n != 1 or seq.seq_id not in rows or len(seq.token_ids) == seq.num_prompt_tokens:
+                return True
+        return False
 
     @property
     def observing(self) -> bool:
@@ -402,14 +410,15 @@ class KVRouter:
         router_graph.py makes them due and carries the share out first where it can)."""
         return not self.pending
 
-    def end_step(self, batch) -> None:
+    def end_step(self, batch, decoding: bool = False) -> None:
         """Route the sequences whose prompt just ended, and the decoding ones due for a refresh. A prompt's
         routing is planned now and carried out at this step's end (RouterBlocks.mark_computed: an eager
         step, nothing queued behind it). A refresh's saliency is read one step later, on every path: at
         the next step's end, when the graph path's reading of it (prepare_routing, queued behind the step
         launched after the refresh step) is done, so that no step waits for it; its demotions are then
-        due from the step after that (make_due)."""
-        routed = self._routed(batch)
+        due from the step after that (make_due). decoding: batch is a graph step's (every sequence decoding,
+        its books started)."""
+        routed = self._routed(batch, decoding)
         prepared, self.prepared = self.prepared, None
         self.make_due()
         self.step_no += 1
@@ -470,10 +479,13 @@ class KVRouter:
         for seq_id, i, block_id in share:
             self.plans.setdefault(seq_id, []).append((i, block_id))
 
-    def _routed(self, batch) -> list:
+    def _routed(self, batch, decoding: bool = False) -> list:
         """(seq, context, book row) of the sequences this step routes; their books start when their prompt
-        ends, observed or not."""
+        ends, observed or not. decoding: every sequence of batch decodes one token and has its books (a
+        graph step's batch, needs_eager false): all are routed at a refresh step, none at another."""
         due, routed, rows = self._due(), [], self.books.rows
+        if decoding:
+            return [(seq, seq.num_computed_tokens + 1, rows[seq.seq_id]) for seq, _ in batch] if due else []
         for seq, n in batch:
             if not due and n == 1 and seq.seq_id in rows and seq.num_output_tokens > 0:
                 continue  # a decoding sequence between refreshes (most steps): nothing to route
@@ -489,7 +501,7 @@ class KVRouter:
         """Start the saliency reading of the routing end_step will do for this step (a graph step's, after
         its observation's books): on CUDA its result comes back to pinned memory behind an event, so that
         end_step waits for this step's work alone, not for a step queued after it."""
-        routed = self._routed(batch)
+        routed = self._routed(batch, decoding=True)
         if not routed:
             return
         held, done = self._held(routed), None

@@ -118,7 +118,7 @@ class ModelRunner:
         if self.router is not None and self.graphs is not None and self.graphs.fits(batch):
             ready()
             logits, picked = self.graphs.run(batch, greedy_only)  # router_graph.py: both pools in the graph
-            self.router.end_step(batch)
+            self.router.end_step(batch, decoding=True)
         elif self.router is not None:
             if self.graphs is not None:
                 self.graphs.drop_ahead()
