@@ -97,6 +97,37 @@ def test_sinks_and_recent_window_are_never_demoted():
             assert not salient_positions(s, 0.5)[i * 8:(i + 1) * 8].any()
 
 
+def test_a_refresh_plans_every_sequence_as_it_would_plan_each_alone():
+    """KVRouter._plan plans all routed sequences at once: per sequence, the blocks blocks_to_demote picks
+    (not salient, not pinned, not yet demoted), as (table index, block id) in table order; sequences no
+    longer followed or whose table shrank (preempted) are passed over."""
+    rng = np.random.default_rng(4)
+    cfg = RouterConfig("int8", threshold=0.85, sink_tokens=4, recent_tokens=20)
+    nf, bs = 500, 8
+    router = KVRouter.__new__(KVRouter)  # the planning needs only these, no pools
+    router.cfg, router.block_size, router.num_full_blocks = cfg, bs, nf
+    router.books = SaliencyBooks(512, "cpu")
+    routed = []
+    for i, ctx in enumerate((40, 97, 203, 64, 150, 88)):
+        table = [int(b) if rng.random() < 0.6 else nf + int(b) for b in rng.integers(0, nf, -(-ctx // bs))]
+        seq = Sequence(seq_id=i, request_id=str(i), token_ids=[1] * ctx, params=GREEDY, block_table=table)
+        if i != 4:  # sequence 4 has ended
+            router.books.row(i)
+        routed.append((seq, ctx, i))
+    routed[5][0].block_table = routed[5][0].block_table[:3]  # preempted and readmitted: a shorter table
+    holds = torch.from_numpy(rng.random((len(routed), 203 // bs)) < 0.3)
+    plans = {}
+    router._plan(routed, holds, None, plans)
+    expected = {}
+    for (seq, ctx, _), held in zip(routed[:4], holds.numpy()):
+        table = seq.block_table[:ctx // bs]
+        alone = blocks_to_demote(held, ctx, bs, cfg, np.asarray(table) >= nf)
+        if alone:
+            expected[seq.seq_id] = [(i, table[i]) for i in alone]
+    assert plans == expected and len(expected) >= 3 and sum(map(len, plans.values())) > 10
+    assert 4 not in plans and 5 not in plans
+
+
 def test_covering_blocks_keep_the_fewest_blocks_that_cover_the_threshold():
     """router_select = "blocks": the sink and recent blocks and the tail count first, demoted blocks never
     come back, and the kept blocks are the fewest, most salient first, that bring the full-precision share
