@@ -153,28 +153,30 @@ class RouterDecodeGraphs(DecodeGraphs):
 
     def _split(self, table: list[int]) -> tuple:
         """Table entries as (the metadata row's two tables: full-precision blocks, then from column max_blocks
-        compressed blocks - num_full_blocks; the number of compressed blocks; the table indices of each
-        kind), numpy arrays but the count. Made in Python for every sequence at every step, the router's
-        fill_meta took 0.33 ms a step on the CPU machine (16 tables of ~120 blocks; 0.09 ms now:
-        tools/bench_step_meta.py --against c62e0f1), as much as a whole graph step of a small model on the
-        H200 (tools/profile_router_step.py --trace); fill_meta makes them again only when a sequence's
-        entries changed (a new block, a demotion)."""
+        compressed blocks - num_full_blocks; the number of compressed blocks; the entries as an array, whose
+        split into table indices an observing step makes). Made in Python for every sequence at every step,
+        the router's fill_meta took 0.33 ms a step on the CPU machine (16 tables of ~120 blocks; 0.09 ms
+        then: tools/bench_step_meta.py --against c62e0f1), as much as a whole graph step of a small model
+        on the H200 (tools/profile_router_step.py --trace); fill_meta makes them again only when a
+        sequence's entries changed (a new block, a demotion)."""
         nf, mb, t = self.runner.router.num_full_blocks, self.max_blocks, np.asarray(table, dtype=np.int32)
         full = t < nf
         f, c = t[full], t[~full] - nf
         row = np.zeros(2 * mb, dtype=np.int32)  # one array to copy into the step's row
         row[:len(f)], row[mb:mb + len(c)] = f, c
-        return row, len(c), np.flatnonzero(full), np.flatnonzero(~full)
+        return row, len(c), t
 
     def fill_meta(self, meta, batch, B: int, ahead: int) -> None:
-        bs, mb = self.block_size, self.max_blocks
+        bs, mb, nf = self.block_size, self.max_blocks, self.runner.router.num_full_blocks
         self.rows = [] if self.mass is not None and self.runner.router.observing_now(ahead) else None
+        heads = []  # each row's first five columns, written in one assignment
         for b, (seq, _) in enumerate(batch):
-            pos = seq.num_computed_tokens + ahead
-            tables, comp, full_at, comp_at = self.cached(seq.seq_id, seq.block_table[:pos // bs + 1], self._split)
+            pos, table = seq.num_computed_tokens + ahead, seq.block_table
+            tables, comp, t = self.cached(seq.seq_id, table[:pos // bs + 1], self._split)
             token = 0 if ahead else seq.token_ids[pos]  # a queued step's tokens are read on the device
-            meta[b, :5] = (token, pos, seq.block_table[pos // bs] * bs + pos % bs, pos - comp * bs, comp)
+            heads.append((token, pos, table[pos // bs] * bs + pos % bs, pos - comp * bs, comp))
             meta[b, 5:5 + 2 * mb] = tables
             if self.rows is not None:
-                self.rows.append((seq, full_at.tolist(), comp_at.tolist()))
+                self.rows.append((seq, np.flatnonzero(t < nf).tolist(), np.flatnonzero(t >= nf).tolist()))
+        meta[:len(batch), :5] = heads
         meta[len(batch):B, :5] = (0, 0, self.runner.scratch_slot, 0, 0)  # padding rows: scratch slot, self only
