@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Host time of a graph decode step's metadata: DecodeGraphs.fill_meta (full precision) and
-RouterDecodeGraphs.fill_meta (the router's two block tables), for B sequences of a given context.
+RouterDecodeGraphs.fill_meta (the router's two block tables), for B sequences of a given context; and of
+a router refresh's planning (KVRouter._plan: which sealed blocks of the B sequences to demote).
 
 On a small model the GPU finishes a decode step in a few tenths of a millisecond, so the host's work
 for the next step is what the step costs (tools/profile_router_step.py --trace). This times the part
@@ -81,6 +82,28 @@ def time_fill(fn, cls, batch, mb: int, width: int, a) -> tuple[float, np.ndarray
     return (time.perf_counter() - t) * 1e6 / a.steps, meta
 
 
+def time_plan(batch, a) -> tuple[float, int]:
+    """Microseconds of KVRouter._plan over batch (each sequence routed, 30% of its sealed blocks holding a
+    salient token), and the demotions it plans."""
+    import torch
+
+    from o3edge.engine.router import KVRouter, RouterConfig, SaliencyBooks
+
+    router = KVRouter.__new__(KVRouter)  # the planning reads only these
+    router.cfg, router.block_size, router.num_full_blocks = RouterConfig("int8"), a.block_size, 2000
+    router.books = SaliencyBooks(8, "cpu")
+    routed = [(seq, seq.num_computed_tokens + 1, router.books.row(seq.seq_id)) for seq, _ in batch]
+    width = max(ctx for _, ctx, _ in routed) // a.block_size
+    holds = torch.from_numpy(np.random.default_rng(0).random((len(routed), width)) < 0.3)
+    for _ in range(5):
+        router._plan(routed, holds, None, {})
+    t = time.perf_counter()
+    for _ in range(a.steps // 10):
+        plans = {}
+        router._plan(routed, holds, None, plans)
+    return (time.perf_counter() - t) * 1e6 / (a.steps // 10), sum(map(len, plans.values()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
@@ -102,6 +125,8 @@ def main() -> None:
             old_us, old_rows = time_fill(old.fill_meta, cls, batch, mb, width, a)
             line += f"   at {a.against}: {old_us:7.1f}   same rows: {bool((rows == old_rows).all())}"
         print(line, flush=True)
+    us, demotions = time_plan(batch, a)
+    print(f"  router's refresh plan (KVRouter._plan) {us:7.1f} us, {demotions} demotions")
 
 
 if __name__ == "__main__":
