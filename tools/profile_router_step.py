@@ -85,6 +85,7 @@ def trace(eng, a) -> dict:
 
     for cls, name in ((RouterDecodeGraphs, "_ran"), (RouterDecodeGraphs, "_taken"),
                       (KVRouter, "observed_in_graph"), (KVRouter, "prepare_routing"), (KVRouter, "end_step"),
+                      (RouterDecodeGraphs, "_observe_and_route"),
                       (KVRouter, "flush_moves"), (DecodeGraphs, "run"),
                       (DecodeGraphs, "fill_meta"), (RouterDecodeGraphs, "fill_meta"), (Scheduler, "schedule"),
                       (RouterBlocks, "mark_computed")):
@@ -183,6 +184,7 @@ def main() -> None:
     timed(RouterDecodeGraphs, "_step", "graph step (replay)")
     timed(KVRouter, "observed_in_graph", "observation's books")
     timed(KVRouter, "prepare_routing", "routing's saliency read (prepare_routing)")
+    timed(RouterDecodeGraphs, "_observe_and_route", "observation's books and routing in one graph")
     timed(KVRouter, "end_step", "routing (end_step)")
     steps = []
     while eng.has_unfinished_requests():
@@ -197,7 +199,7 @@ def main() -> None:
     out = {"setting": a.setting, "shape": a.shape, "context": a.context, "batch": a.batch,
            "device": torch.cuda.get_device_name(), "parts_ms": {}}
     for label, xs in TIMES.items():
-        if label == "observation's books":
+        if label in ("observation's books", "observation's books and routing in one graph"):
             out["parts_ms"][label] = {"refresh": round(statistics.median(xs), 3), "n": len(xs)}
             continue
         ref = [x for x, k in zip(xs, kinds) if k]

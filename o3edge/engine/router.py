@@ -179,6 +179,7 @@ class SaliencyBooks:
 
     def __init__(self, max_len: int, device, rows: int = 8):
         self.max_len, self.device = max_len, device
+        self.generation = -1  # tables made so far, less one: a CUDA graph that reads them is made again
         self._tables(rows)
         self.rows: dict[int, int] = {}  # seq_id -> row
         self.free = list(range(rows - 1, -1, -1))
@@ -188,6 +189,20 @@ class SaliencyBooks:
         self.flat = torch.zeros(rows * self.max_len + 1, dtype=torch.float64, device=self.device)
         self.mass = self.flat[:-1].view(rows, self.max_len)
         self.count = torch.zeros_like(self.mass)
+        self.generation += 1
+
+    @torch.inference_mode()  # the table may have been made in a step's inference mode
+    def _grow(self) -> None:
+        """Double the tables, every row keeping its books."""
+        n, mass, count = self.mass.shape[0], self.mass, self.count
+        self._tables(2 * n)
+        self.mass[:n], self.count[:n] = mass, count
+        self.free = list(range(2 * n - 1, n - 1, -1)) + self.free
+
+    def reserve(self, rows: int) -> None:
+        """Tables of at least `rows` rows now (a graph that reads them is captured once, not after growth)."""
+        while self.mass.shape[0] < rows:
+            self._grow()
 
     @property
     def dump(self) -> int:
@@ -199,10 +214,7 @@ class SaliencyBooks:
         r = self.rows.get(seq_id)
         if r is None:
             if not self.free:
-                n, mass, count = self.mass.shape[0], self.mass, self.count
-                self._tables(2 * n)
-                self.mass[:n], self.count[:n] = mass, count
-                self.free = list(range(2 * n - 1, n - 1, -1))
+                self._grow()
             r = self.rows[seq_id] = self.free.pop()
         return r
 
@@ -216,10 +228,14 @@ class SaliencyBooks:
 
     def saliency(self, rows: list[int], ctxs: list[int]) -> torch.Tensor:
         """[len(rows), max(ctxs)] saliency = mass / observers of each row's positions below its ctx (0 past it)."""
-        C = max(ctxs)
         index, ends = on_device(torch.tensor([rows, ctxs]), self.device)
-        sal = self.mass[index, :C] / self.count[index, :C].clamp_min(1.0)
-        past = torch.arange(C, device=self.device)[None, :] >= ends[:, None]
+        return self.saliency_of(index, ends, max(ctxs))
+
+    def saliency_of(self, index: torch.Tensor, ends: torch.Tensor, width: int) -> torch.Tensor:
+        """saliency for rows `index` and contexts `ends` already on the device, over `width` positions
+        (no copy, no sync: a CUDA graph can hold it)."""
+        sal = self.mass[index, :width] / self.count[index, :width].clamp_min(1.0)
+        past = torch.arange(width, device=self.device)[None, :] >= ends[:, None]
         return sal.masked_fill_(past, 0.0)
 
 
@@ -587,16 +603,27 @@ class KVRouter:
         mass [len(rows), KVH, 2, P] the step's probabilities by KV head (kernels/quant_attention.py
         router_decode_attention: full-precision keys in compacted order, then compressed ones), summed
         over the layers. The same books as `_observe` keeps for the eager step, in one scatter."""
-        bs, L, P, dev, n = self.block_size, self.books.max_len, mass.shape[-1], self.device, len(rows)
-        W = P // bs  # blocks a row of the step may have
-        # one small host array: each row's table indices of its full and compressed blocks, its number of
-        # keys in each pool, its book row and the observer's position; the keys' places are made on the device
-        meta = np.zeros((n, 2 * W + 4), dtype=np.int64)
+        meta = self.observation_meta(rows, mass.shape[-1] // self.block_size)
+        self.observe_books(on_device(torch.from_numpy(meta), self.device), mass)  # one copy
+
+    def observation_meta(self, rows, width: int) -> np.ndarray:
+        """The host part of observed_in_graph: int64 [len(rows), 2 * width + 4], each row's table indices of
+        its full-precision blocks (from column 0) and of its compressed ones (from column width), its
+        number of keys in each pool, its book row and the observer's position + 1 (its context). A row of
+        zeros observes nothing and routes nothing."""
+        bs = self.block_size
+        meta = np.zeros((len(rows), 2 * width + 4), dtype=np.int64)
         for b, (seq, full, comp) in enumerate(rows):
             pos = seq.num_computed_tokens
-            meta[b, :len(full)], meta[b, W:W + len(comp)] = full, comp
-            meta[b, 2 * W:] = (pos + 1 - len(comp) * bs, len(comp) * bs, self.books.row(seq.seq_id), pos + 1)
-        meta = on_device(torch.from_numpy(meta), dev)  # one copy
+            meta[b, :len(full)], meta[b, width:width + len(comp)] = full, comp
+            meta[b, 2 * width:] = (pos + 1 - len(comp) * bs, len(comp) * bs, self.books.row(seq.seq_id), pos + 1)
+        return meta
+
+    def observe_books(self, meta: torch.Tensor, mass: torch.Tensor) -> None:
+        """The device part of observed_in_graph, meta (observation_meta's) on the device: the keys' places
+        are made there, then one scatter a table, no sync (a CUDA graph can hold it: router_graph.py)."""
+        bs, L, P, dev, n = self.block_size, self.books.max_len, mass.shape[-1], self.device, meta.shape[0]
+        W = P // bs  # blocks a row of the step may have
         tables, num_keys = meta[:, :2 * W].reshape(n, 2, W), meta[:, 2 * W:2 * W + 2]
         book_rows, ends = meta[:, -2], meta[:, -1]
         keys = (tables[..., None] * bs + torch.arange(bs, device=dev)).view(n, 2, P)  # each key's position
@@ -606,6 +633,13 @@ class KVRouter:
         self.books.flat.index_add_(0, dest.view(-1), mass.sum(1).reshape(-1).double())
         seen = torch.arange(L, device=dev)[None, :] < ends[:, None]  # one observer sees up to its own position
         self.books.count.index_add_(0, book_rows, seen.double())
+
+    def held_observed(self, meta: torch.Tensor) -> torch.Tensor:
+        """_held for the rows of an observation's meta on the device (observation_meta: book row, context),
+        over every position a sequence may reach: bool [rows, max_len // block_size], False past a row's
+        sealed blocks, all False for a row of zeros. Static shapes, no sync: a CUDA graph can hold it."""
+        sal = self.books.saliency_of(meta[:, -2], meta[:, -1], self.books.max_len)
+        return sealed_any(salient(sal, self.cfg.threshold), self.block_size)
 
     def _gather(self, layer: int, slots: torch.Tensor):
         """Compressed keys and values at slots, dequantized (int4: still in the rotated basis)."""

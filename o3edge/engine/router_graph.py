@@ -10,8 +10,11 @@ Steps that observe attention for saliency (every `refresh_steps`-th router step,
 sequence; none with threshold 0) replay a second graph per bucket: the same step whose attention
 kernels also store each key's scaled scores, and a small kernel turns them into probabilities
 (averaged over the heads) once every key split's log-sum-exp is known, adding them into a static mass
-buffer layer after layer; once the step is taken, the router adds those rows to each sequence's books
-(KVRouter.observed_in_graph) and starts reading the saliency it will route by (prepare_routing).
+buffer layer after layer; once the step is taken, a third graph per bucket (and host buffer) adds those
+rows to each sequence's books and reads the saliency it will route by, the blocks holding a salient token
+coming back to pinned memory (_observe_and_route: KVRouter.observe_books and held_observed; a step that
+lost sequences since it was queued, and router_select = "blocks", do the same by KVRouter.observed_in_graph
+and prepare_routing, one operation at a time).
 (O3EDGE_ROUTER_OBSERVE_SPLITS=0 observes in one key split instead, each program making its rows'
 probabilities in a second pass over its keys: on the H200 its replay took ~3.9 ms against ~2.1 at 4K x
 16, docs/benchmarks.md, ninth round. Observing in a second kernel after the bucket's splits, which read
@@ -66,6 +69,21 @@ class RouterDecodeGraphs(DecodeGraphs):
         if runner.router.observing:  # [bucket, KVH, 2, keys]: one observing step's probabilities
             self.mass = torch.zeros(self.batch_buckets[-1], runner.args.num_kv_heads, 2,
                                     self.max_blocks * self.block_size, dtype=torch.float32, device=runner.device)
+        # a refresh's books and saliency read in one graph a bucket and host buffer (_route), when the whole
+        # observing step is taken; the rows of a step that lost sequences, and router_select = "blocks", go
+        # through observed_in_graph and prepare_routing instead
+        self.routes = self.mass is not None and runner.router.cfg.select == "tokens"
+        self.route_graphs: dict = {}  # (bucket, parity) -> (graph,)
+        self.route_generation = None  # the books' generation the route graphs were captured on
+        self.num_routes = 0
+        if self.routes:
+            B, dev, pinned = self.batch_buckets[-1], runner.device, runner.device.type == "cuda"
+            L, width = runner.router.books.max_len, 2 * self.max_blocks + 4
+            self.mass_taken = torch.zeros_like(self.mass)  # a taken observing step's probabilities
+            self.obs_host = [torch.zeros(B, width, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+            self.obs = torch.zeros(B, width, dtype=torch.long, device=dev)
+            self.holds_host = [torch.zeros(B, L // self.block_size, dtype=torch.bool, pin_memory=pinned)
+                               for _ in range(2)]
 
     def attention_per_sm(self) -> tuple[int, bool]:
         return router_attention_per_sm(self.runner.router.cfg.mode), True
@@ -95,6 +113,53 @@ class RouterDecodeGraphs(DecodeGraphs):
         if self.mass is not None:
             self.observe_graphs = capture_graphs(self.graph_keys(), functools.partial(self._forward, observe=True),
                                                  "router observing decode", error_mode="thread_local")
+        if self.routes:
+            self.runner.router.books.reserve(2 * self.batch_buckets[-1])
+            self._capture_routes()
+
+    @torch.inference_mode()
+    def _capture_routes(self) -> None:
+        """(Re)capture the route graphs on the books' current tables, from zeroed host buffers (a capture's
+        warm-up runs replay what the buffers hold: zero rows observe and route nothing)."""
+        for buf in self.obs_host:
+            buf.zero_()
+        self.route_graphs = capture_graphs(self.graph_keys(), self._route, "router routing", error_mode="thread_local")
+        self.route_generation = self.runner.router.books.generation
+
+    def _route(self, key: tuple[int, int]) -> tuple:
+        """A refresh's device work for bucket B from host buffer `parity`: the observation's metadata in,
+        the books added to (KVRouter.observe_books), the saliency read and routed (held_observed), the
+        sealed blocks holding a salient token out to holds_host[parity]."""
+        B, parity = key
+        router = self.runner.router
+        self.obs[:B].copy_(self.obs_host[parity][:B], non_blocking=True)
+        router.observe_books(self.obs[:B], self.mass_taken[:B])
+        self.holds_host[parity][:B].copy_(router.held_observed(self.obs[:B]), non_blocking=True)
+        return ()
+
+    def _observe_and_route(self, observed, batch) -> None:
+        """The refresh step taken whole (observed: its rows, in batch order; their probabilities in
+        mass_taken): its books and the saliency read the routing at this step's end takes (end_step: the
+        `prepared` holds), in one graph replay instead of ~40 operations launched one by one (on the H200's
+        host they took ~1.8 ms of a refresh step on the built-in long model: docs/benchmarks.md)."""
+        router, n = self.runner.router, len(observed)
+        B = next(b for b in self.batch_buckets if b >= n)
+        if self.capture and router.books.generation != self.route_generation:
+            self._capture_routes()  # the books' tables grew: the graphs read the old ones
+        parity = self.num_routes % 2  # the holds of the refresh before may still be unread (refresh every step)
+        self.num_routes += 1
+        meta = self.obs_host[parity].numpy()
+        meta[:n] = router.observation_meta(observed, self.max_blocks)
+        meta[n:B] = 0
+        done = None
+        if self.capture:
+            self.route_graphs[(B, parity)][0].replay()
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            self._route((B, parity))
+        router.prepared = ([(seq.seq_id, seq.num_computed_tokens + 1) for seq, _ in batch],
+                           self.holds_host[parity][:n], done)
 
     def _attention(self, layer, qkv, cos, sin, meta, heads, splits, q_norm, k_norm, eps, mass=None):
         from o3edge.engine.kernels.quant_attention import router_decode_attention
@@ -139,6 +204,10 @@ class RouterDecodeGraphs(DecodeGraphs):
         self.observed.clear()
         if observed is not None:
             mass = self.mass[:len(observed)]
+            if index is None and self.routes:  # the whole step: routed in one graph (_observe_and_route)
+                self.mass_taken[:len(observed)].copy_(mass)
+                self.taken = (observed, None)
+                return
             if index is not None:
                 observed, mass = [observed[i] for i in rows], mass.index_select(0, index)
             self.taken = (observed, mass.clone() if index is None else mass)
@@ -147,6 +216,11 @@ class RouterDecodeGraphs(DecodeGraphs):
         """Once the next step is queued (its launch does not wait for this): the observing step's books,
         then the saliency the routing reads at the next step's end (KVRouter.end_step), started behind it."""
         router, taken, self.taken = self.runner.router, self.taken, None
+        if taken is not None and taken[1] is None:
+            if router._due():  # a refresh step (observing steps are): its books and routing in one graph
+                self._observe_and_route(taken[0], batch)
+                return
+            taken = (taken[0], self.mass_taken[:len(taken[0])])
         if taken is not None:
             router.observed_in_graph(*taken)
         router.prepare_routing(batch)

@@ -92,6 +92,41 @@ def test_graph_refresh_step_observes_what_the_eager_step_observes(tiny_dir, mode
     assert compared >= 4 and with_compressed  # both pools were observed
 
 
+def test_a_refresh_routed_in_one_graph_demotes_what_the_operations_one_by_one_do(tiny_dir):
+    """A refresh step's books and saliency read run as one graph a bucket (_observe_and_route) instead of
+    observed_in_graph and prepare_routing launched one by one: the same blocks are demoted at the same
+    steps, so the same tokens come out, and sequences that end between refreshes change nothing."""
+    routed = {**ROUTED, "router_threshold": 0.5, "router_refresh_steps": 3}
+    runs = []
+    for routes in (False, True):
+        m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router="int8", **routed))
+        runner = m.engine.runner
+        runner.graphs = RouterDecodeGraphs(runner, 4, capture=False)
+        runner.graphs.routes = routes
+        demoted = []
+        m.engine.blocks.demote = _counting(m.engine.blocks.demote, demoted)
+        outs = {}
+        for i, n in enumerate((16, 8, 13)):  # sequences end between refreshes and at one
+            m.engine.add_request(str(i), m.engine.encode(PROMPT + f"What is module {i}?"),
+                                 SamplingParams(max_new_tokens=n, ignore_eos=True))
+        while m.engine.has_unfinished_requests():
+            for out in m.engine.step()[0]:
+                outs.setdefault(out.request_id, []).extend(out.token_ids)
+        runs.append((outs, demoted, runner.graphs.num_routes))
+    (outs0, demoted0, routes0), (outs1, demoted1, routes1) = runs
+    assert routes0 == 0 and routes1 >= 3  # the second run routed its refreshes in the graph
+    assert outs0 == outs1 and demoted0 == demoted1 and len(demoted1) > 0
+
+
+def _counting(demote, log):
+    def wrapper(seq, i):
+        done = demote(seq, i)
+        if done:
+            log.append((seq.request_id, i, seq.num_computed_tokens))
+        return done
+    return wrapper
+
+
 def test_steps_launched_ahead_give_the_same_tokens_refresh_steps_included(tiny_dir):
     """With launch ahead, the graph path queues step n+1 while the host finishes step n, observing
     refresh steps and the steps that carry out their demotions included (those are done before the next
