@@ -56,12 +56,11 @@ def _int32(entries: list[int]) -> np.ndarray:
     return np.asarray(entries, dtype=np.int32)
 
 
-def capture_graphs(sizes: list, forward, what: str, error_mode: str = "global", pool=None) -> dict:
-    """size -> (graph, *outputs of forward(size)), captured largest first into one shared memory pool
-    (`pool`: one a graph captured before uses). error_mode: torch.cuda.graph's capture_error_mode
-    ("thread_local" lets the pinned-memory allocator query its events while a graph copies to or from
-    host memory)."""
-    graphs = {}
+def capture_graphs(sizes: list, forward, what: str, error_mode: str = "global") -> dict:
+    """size -> (graph, *outputs of forward(size)), captured largest first into one shared memory pool.
+    error_mode: torch.cuda.graph's capture_error_mode ("thread_local" lets the pinned-memory allocator
+    query its events while a graph copies to or from host memory)."""
+    graphs, pool = {}, None
     for size in sorted(sizes, reverse=True):
         for _ in range(2):  # warm up (Triton compiles here), as capture requires
             forward(size)

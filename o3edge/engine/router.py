@@ -634,12 +634,11 @@ class KVRouter:
         seen = torch.arange(L, device=dev)[None, :] < ends[:, None]  # one observer sees up to its own position
         self.books.count.index_add_(0, book_rows, seen.double())
 
-    def held_observed(self, meta: torch.Tensor, width: int) -> torch.Tensor:
+    def held_observed(self, meta: torch.Tensor) -> torch.Tensor:
         """_held for the rows of an observation's meta on the device (observation_meta: book row, context),
-        over the first `width` positions (at least every row's context): bool [rows, width // block_size],
-        False past a row's sealed blocks, all False for a row of zeros. Static shapes, no sync: a CUDA graph
-        can hold it."""
-        sal = self.books.saliency_of(meta[:, -2], meta[:, -1], width)
+        over every position a sequence may reach: bool [rows, max_len // block_size], False past a row's
+        sealed blocks, all False for a row of zeros. Static shapes, no sync: a CUDA graph can hold it."""
+        sal = self.books.saliency_of(meta[:, -2], meta[:, -1], self.books.max_len)
         return sealed_any(salient(sal, self.cfg.threshold), self.block_size)
 
     def _gather(self, layer: int, slots: torch.Tensor):

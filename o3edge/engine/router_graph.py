@@ -73,9 +73,8 @@ class RouterDecodeGraphs(DecodeGraphs):
         # observing step is taken; the rows of a step that lost sequences, and router_select = "blocks", go
         # through observed_in_graph and prepare_routing instead
         self.routes = self.mass is not None and runner.router.cfg.select == "tokens"
-        self.route_graphs: dict = {}  # (bucket, parity, width) -> (graph,)
+        self.route_graphs: dict = {}  # (bucket, parity) -> (graph,)
         self.route_generation = None  # the books' generation the route graphs were captured on
-        self.route_pool = None  # one memory pool for all of them (their results go to host memory)
         self.num_routes = 0
         if self.routes:
             B, dev, pinned = self.batch_buckets[-1], runner.device, runner.device.type == "cuda"
@@ -114,49 +113,28 @@ class RouterDecodeGraphs(DecodeGraphs):
         if self.mass is not None:
             self.observe_graphs = capture_graphs(self.graph_keys(), functools.partial(self._forward, observe=True),
                                                  "router observing decode", error_mode="thread_local")
-        if self.routes:  # every width's route graphs (a capture during decode would stall a step ~10 ms)
-            books = self.runner.router.books
-            books.reserve(self.batch_buckets[-1])
-            widths, width = {books.max_len}, 4096  # every value _route_width takes
-            while width < books.max_len:
-                widths.add(width)
-                width *= 2
-            for width in sorted(widths, reverse=True):  # the largest first: the smaller reuse its memory
-                for B, parity in sorted(self.graph_keys(), reverse=True):
-                    self._capture_route((B, parity, width))
-
-    def _route_width(self, context: int) -> int:
-        """Positions a refresh reads for contexts up to `context`: a power of two from 4,096, at most every
-        position a sequence may reach (so a long max_model_len does not make every refresh sort it all)."""
-        width = 4096
-        while width < context:
-            width *= 2
-        return min(width, self.runner.router.books.max_len)
+        if self.routes:
+            self.runner.router.books.reserve(2 * self.batch_buckets[-1])
+            self._capture_routes()
 
     @torch.inference_mode()
-    def _capture_route(self, key: tuple[int, int, int]) -> None:
-        """Capture the route graph of key on the books' current tables (all of them again when those have
-        grown since), from a zeroed host buffer: a capture's warm-up runs do what the buffer holds, and zero
-        rows observe and route nothing (the buffer of the other parity may still be on its way)."""
-        books = self.runner.router.books
-        if books.generation != self.route_generation:
-            self.route_graphs, self.route_pool, self.route_generation = {}, None, books.generation
-        self.obs_host[key[1]].zero_()
-        graph = capture_graphs([key], self._route, "router routing", error_mode="thread_local",
-                               pool=self.route_pool)
-        self.route_graphs.update(graph)
-        self.route_pool = graph[key][0].pool()
+    def _capture_routes(self) -> None:
+        """(Re)capture the route graphs on the books' current tables, from zeroed host buffers (a capture's
+        warm-up runs replay what the buffers hold: zero rows observe and route nothing)."""
+        for buf in self.obs_host:
+            buf.zero_()
+        self.route_graphs = capture_graphs(self.graph_keys(), self._route, "router routing", error_mode="thread_local")
+        self.route_generation = self.runner.router.books.generation
 
-    def _route(self, key: tuple[int, int, int]) -> tuple:
-        """A refresh's device work for bucket B from host buffer `parity`, over `width` positions: the
-        observation's metadata in, the books added to (KVRouter.observe_books), the saliency read and
-        routed (held_observed), the sealed blocks holding a salient token out to holds_host[parity]."""
-        B, parity, width = key
+    def _route(self, key: tuple[int, int]) -> tuple:
+        """A refresh's device work for bucket B from host buffer `parity`: the observation's metadata in,
+        the books added to (KVRouter.observe_books), the saliency read and routed (held_observed), the
+        sealed blocks holding a salient token out to holds_host[parity]."""
+        B, parity = key
         router = self.runner.router
         self.obs[:B].copy_(self.obs_host[parity][:B], non_blocking=True)
         router.observe_books(self.obs[:B], self.mass_taken[:B])
-        held = router.held_observed(self.obs[:B], width)
-        self.holds_host[parity][:B, :held.shape[1]].copy_(held, non_blocking=True)
+        self.holds_host[parity][:B].copy_(router.held_observed(self.obs[:B]), non_blocking=True)
         return ()
 
     def _observe_and_route(self, observed, batch) -> None:
@@ -166,21 +144,20 @@ class RouterDecodeGraphs(DecodeGraphs):
         host they took ~1.8 ms of a refresh step on the built-in long model: docs/benchmarks.md)."""
         router, n = self.runner.router, len(observed)
         B = next(b for b in self.batch_buckets if b >= n)
+        if self.capture and router.books.generation != self.route_generation:
+            self._capture_routes()  # the books' tables grew: the graphs read the old ones
         parity = self.num_routes % 2  # the holds of the refresh before may still be unread (refresh every step)
         self.num_routes += 1
-        key = (B, parity, self._route_width(max(seq.num_computed_tokens + 1 for seq, _, _ in observed)))
-        if self.capture and (key not in self.route_graphs or router.books.generation != self.route_generation):
-            self._capture_route(key)  # a new width, or the books' tables grew: the graphs read the old ones
         meta = self.obs_host[parity].numpy()
         meta[:n] = router.observation_meta(observed, self.max_blocks)
         meta[n:B] = 0
         done = None
         if self.capture:
-            self.route_graphs[key][0].replay()
+            self.route_graphs[(B, parity)][0].replay()
             done = torch.cuda.Event()
             done.record()
         else:
-            self._route(key)
+            self._route((B, parity))
         router.prepared = ([(seq.seq_id, seq.num_computed_tokens + 1) for seq, _ in batch],
                            self.holds_host[parity][:n], done)
 
