@@ -120,7 +120,9 @@ class RouterDecodeGraphs(DecodeGraphs):
     @torch.inference_mode()
     def _capture_routes(self) -> None:
         """(Re)capture the route graphs on the books' current tables, from zeroed host buffers (a capture's
-        warm-up runs replay what the buffers hold: zero rows observe and route nothing)."""
+        warm-up runs replay what the buffers hold: zero rows observe and route nothing), once the device
+        has read what they held before."""
+        torch.cuda.synchronize()
         for buf in self.obs_host:
             buf.zero_()
         self.route_graphs = capture_graphs(self.graph_keys(), self._route, "router routing", error_mode="thread_local")
