@@ -122,7 +122,7 @@ def main() -> None:
         line = f"  {label:15s} {us:7.1f}"
         if a.against:
             old = getattr(at_revision(a.against, path, f"old_{name}"), name)
-            old_us, old_rows = time_fill(old.fill_meta, cls, batch, mb, width, a)
+            old_us, old_rows = time_fill(old.fill_meta, old, batch, mb, width, a)
             line += f"   at {a.against}: {old_us:7.1f}   same rows: {bool((rows == old_rows).all())}"
         print(line, flush=True)
     us, demotions = time_plan(batch, a)

@@ -317,7 +317,8 @@ class KVRouter:
         # them a step (make_due), at most once a step (`released`: the step_no that last handed some over)
         self.due: list[tuple[int, int, int]] = []
         self.share, self.released = 0, -1
-        self.prepared = None  # a graph step's routing started on the device (prepare_routing)
+        self.prepared = None  # a graph step's routing started on the device (prepare_routing, or
+        # router_graph.py's route graphs): ([(seq_id, context)], holds on the host, event or None)
         self.deferred = None  # a refresh's routing, planned at the next step's end: (routed, holds, done)
         self.moves: list[tuple[int, int]] = []  # (full-precision block, compressed block) to quantize (move)
         self.full_bytes_per_token = full_bytes_per_token

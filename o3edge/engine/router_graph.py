@@ -219,7 +219,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         then the saliency the routing reads at the next step's end (KVRouter.end_step), started behind it."""
         router, taken, self.taken = self.runner.router, self.taken, None
         if taken is not None and taken[1] is None:
-            if router._due():  # a refresh step (observing steps are): its books and routing in one graph
+            if router.observing_now():  # a refresh step (observing steps are): its books and routing in one graph
                 self._observe_and_route(taken[0], batch)
                 return
             taken = (taken[0], self.mass_taken[:len(taken[0])])
