@@ -321,6 +321,11 @@ class KVRouter:
         # router_graph.py's route graphs): ([(seq_id, context)], holds on the host, event or None)
         self.deferred = None  # a refresh's routing, planned at the next step's end: (routed, holds, done)
         self.moves: list[tuple[int, int]] = []  # (full-precision block, compressed block) to quantize (move)
+        # moves quantized by one Triton kernel (kernels/kv_quantize.py) rather than torch operations: on CUDA
+        # (O3EDGE_ROUTER_MOVE_KERNEL=0: torch's, to measure against), and on the graph path under Triton's
+        # interpreter (router_graph.py turns it on)
+        self.move_kernel = self.device.type == "cuda" and os.environ.get("O3EDGE_ROUTER_MOVE_KERNEL") != "0"
+        self.stage = None  # the kernel's ids go to the device through it (kv_quantize.PinnedStage), on CUDA
         self.full_bytes_per_token = full_bytes_per_token
         self.comp_bytes_per_token = L * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
         self.host_bytes = block_size * full_bytes_per_token + self.per_host * scale_bytes_per_block(
@@ -332,8 +337,16 @@ class KVRouter:
         pays for their first use. On CUDA torch sorts rows of up to 4,096 in one kernel and longer ones by
         a segmented sort whose kernels load at their first call: on the H200 (llama-1b, 16 sequences
         decoding past 4,096 tokens), the first refresh step there took 27-34 ms against ~3 for the next
-        ones (tools/bench_router.py --gpu, docs/results/gpu-2026-12-02c/router/)."""
-        if self.device.type != "cuda" or not self.observing or self.cfg.select != "tokens":
+        ones (tools/bench_router.py --gpu, docs/results/gpu-2026-12-02c/router/). The demotions' kernel is
+        compiled here too (quantizing block 0 into a scratch), not at the first demotion."""
+        if self.device.type != "cuda":
+            return
+        if self.move_kernel:
+            from o3edge.engine.kernels.kv_quantize import quantize_blocks
+
+            quantize_blocks(self.kv_cache, torch.zeros(1, dtype=torch.long, device=self.device), self.block_size,
+                            self.cfg.mode, self.rotation)
+        if not self.observing or self.cfg.select != "tokens":
             return
         for n in sorted({min(self.books.max_len, 4096), self.books.max_len}):
             sal = torch.zeros(2, n, dtype=self.books.mass.dtype, device=self.device)
@@ -362,6 +375,14 @@ class KVRouter:
     @torch.inference_mode()
     def _quantize_moves(self) -> None:
         bs = self.block_size
+        if self.move_kernel:
+            from o3edge.engine.kernels.kv_quantize import PinnedStage, move_blocks
+
+            if self.stage is None and self.device.type == "cuda":
+                self.stage = PinnedStage(self.device)
+            moves, self.moves = np.array(self.moves, dtype=np.int64), []
+            move_blocks(self.kv_cache, self.codes, self.scales, moves, bs, self.cfg.mode, self.rotation, self.stage)
+            return
         blocks = torch.tensor(self.moves, dtype=torch.long)
         slots = on_device((blocks[:, :, None] * bs + torch.arange(bs)).transpose(0, 1).reshape(2, -1), self.device)
         self.moves = []

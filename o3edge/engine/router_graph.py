@@ -61,6 +61,8 @@ class RouterDecodeGraphs(DecodeGraphs):
 
     def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
         super().__init__(runner, max_batch, capture, launch_ahead)
+        if runner.device.type != "cuda":  # under Triton's interpreter (tests): demotions by its kernel too
+            runner.router.move_kernel = True
         self.observe_graphs: dict = {}
         self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
         self.observed: dict[int, list] = {}  # ahead (0: launched now, 1: queued) -> rows of an observing step
