@@ -255,6 +255,7 @@ class RouterDecodeGraphs(DecodeGraphs):
             heads.append((token, pos, table[pos // bs] * bs + pos % bs, pos - comp * bs, comp))
             meta[b, 5:5 + 2 * mb] = tables
             if self.rows is not None:
-                self.rows.append((seq, np.flatnonzero(t < nf).tolist(), np.flatnonzero(t >= nf).tolist()))
+                full = t < nf  # arrays, not lists: observation_meta writes them into its rows as they are
+                self.rows.append((seq, np.flatnonzero(full), np.flatnonzero(~full)))
         meta[:len(batch), :5] = heads
         meta[len(batch):B, :5] = (0, 0, self.runner.scratch_slot, 0, 0)  # padding rows: scratch slot, self only
