@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from o3edge import O3Config, O3Model
-from o3edge.engine.kv_quant import dequantize
+from o3edge.engine.kv_quant import dequantize, quantize
 from o3edge.engine.router import KVRouter, RouterConfig
 from o3edge.engine.router_blocks import RouterBlocks
 from o3edge.engine.sequence import SamplingParams, Sequence
@@ -55,6 +55,27 @@ def test_demotion_frees_full_precision_blocks_and_a_free_host_goes_back():
     blocks.allocate(big)  # every block: the host is reclaimed, its compressed blocks' names dropped
     assert blocks.num_free_blocks == 0 and blocks.num_host_blocks == 0 and h1 not in blocks.cached
     assert sorted(big.block_table) == list(range(6))
+
+
+def test_a_large_flush_goes_a_few_layers_at_a_time_and_reads_every_source_first():
+    """24 blocks of a pool whose layers are ~6 MB each in the flush (more than its 4 MB chunk): on the CPU
+    a layer at a time. Blocks 0-5 host their own codes and three others' (queued before their own move):
+    every block's codes are those of its original K/V."""
+    torch.manual_seed(2)
+    L, bs, H, D, nblocks = 3, 32, 8, 128, 30
+    kv = torch.randn(L, 2, (nblocks + 1) * bs, H, D)
+    original = kv.clone()
+    router = KVRouter(RouterConfig("int8"), kv, nblocks, bs, 1)
+    assert router.per_host == 4 and not router.move_kernel  # the torch path, as on every CPU engine
+    moves = [(k, (k // 4) * 4 + k % 4) for k in range(24)]
+    for source, comp in sorted(moves, key=lambda m: m[0] % 4 == 0):  # hosts' own moves last
+        router.move(source, comp)
+    router.flush_moves()
+    for source, comp in moves:
+        want_codes, want_scales = quantize(original[:, :, source * bs:(source + 1) * bs], "int8")
+        assert torch.equal(router.codes[:, :, comp * bs:(comp + 1) * bs], want_codes)
+        assert torch.equal(router.scales[:, :, comp * bs:(comp + 1) * bs], want_scales)
+    assert torch.equal(kv[:, :, 6 * bs:], original[:, :, 6 * bs:])  # the hosts' bytes only were written
 
 
 def test_a_shared_block_is_not_demoted_and_a_hit_revives_a_compressed_one():
