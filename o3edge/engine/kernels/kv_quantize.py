@@ -35,7 +35,7 @@ def _quantize_blocks_kernel(kv_ptr, src_ptr, rot_ptr, codes_ptr, scales_ptr, str
                             ROUND: tl.constexpr, TINY: tl.constexpr):
     """Program (m, plane): move m's source block in KV plane `plane` (layer * 2 + K/V), TOK tokens at a time.
     Scratch layout: codes [planes, n_moves * BS, H, D or D / 2], scales [planes, n_moves * BS, H]."""
-    m, plane = tl.program_id(0), tl.program_id(1)
+    m, plane = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # offsets past 2**31 in a big pool
     block = tl.load(src_ptr + m).to(tl.int64)
     r = tl.arange(0, TOK * HP)
     h, d = r % HP, tl.arange(0, DP)
