@@ -6,6 +6,7 @@
                                [--json docs/results/router-cpu-<date>.json] [--plot docs/img/router-cpu.png]
   python tools/bench_router.py --capacity [--capacity-seqs 8] [--capacity-budget 3] [--device ...] [--json ...]
   python tools/bench_router.py --gpu [--shape llama-1b] [--context 4096] [--batch 16] [--json ...]
+  python tools/bench_router.py --speed [--prompts 2] [--prompt-tokens 1500] [--new-tokens 64] [--rounds 3] [--json ...]
 
 Settings, all on the same model in the same run: `off` (full-precision KV), `uniform-int8` and
 `uniform-int4` (every sealed block compressed, no token kept: what llama.cpp's -ctk/-ctv q8_0/q4_0
@@ -36,6 +37,10 @@ LABELS (comma-separated) limits the settings; quality always runs `off`, its ref
 `off` is the floor set by the two attention paths (and an INT4-FFN model's activation rounding), not
 by compression. With --json, the file is rewritten after each setting (with "partial": true until the
 end), so a run cut short keeps the settings it finished.
+
+CPU speed (--speed, on --device): the time to prefill --prompts held-out prompts of --prompt-tokens at once
+(one new token each: the prompt's routing included) and decode tokens/s over --new-tokens from other held-out
+prompts, every setting on the torch engine, whole generations timed from outside it (--rounds alternates).
 
 GPU speed (--gpu): decode tokens/s at --context tokens and --batch sequences, random weights of --shape,
 bf16: `off` on the CUDA-graph decode step and the compressed settings with router_cuda_graphs
@@ -514,6 +519,55 @@ def capacity(a) -> dict:
             "budget_sequences_full_precision": a.capacity_budget, "settings": SETTINGS, "results": rows}
 
 
+def generate_all(eng: LLMEngine, prompts: list[list[int]], new: int) -> float:
+    """Seconds to generate `new` tokens from each prompt, all queued at once, timed from outside the engine."""
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"s{i}-{new}-{t0}", p, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    return time.perf_counter() - t0
+
+
+def speed(a) -> dict:
+    """Prefill and decode speed on --device, every setting on the torch engine, timed from outside it: --prompts
+    held-out prompts of --prompt-tokens at once generating one token each (the prefill, the prompt's routing
+    included), then --prompts other held-out prompts (no prefix reuse) generating --new-tokens each; decode
+    tokens/s is the extra tokens over the extra time. --rounds N runs every setting N times, alternating."""
+    model_dir = resolve_model_path(a.model)
+    labels = ["off"] + [x for x in labels_of(a) if x != "off"]
+    rows, where = {label: [] for label in labels}, None
+    for _ in range(a.rounds):
+        for label in labels:
+            eng = engine(model_dir, label, a.device, a.dtype, a.threads, cuda_graphs=False)
+            where = where or device_info(eng, a.threads)
+            prompts, _ = held_out(eng.tokenizer, 2 * a.prompts + 1, a.prompt_tokens)
+            generate_all(eng, prompts[-1:], 2)  # warm-up
+            prefill = generate_all(eng, prompts[:a.prompts], 1)
+            whole = generate_all(eng, prompts[a.prompts:2 * a.prompts], a.new_tokens)
+            row = {"prefill_s": round(prefill, 3), "whole_s": round(whole, 3),
+                   "decode_tokens_per_s": round(a.prompts * (a.new_tokens - 1) / (whole - prefill), 1),
+                   "blocks_demoted": getattr(eng.blocks, "num_demoted", 0)}
+            rows[label].append(row)
+            print(label, row, flush=True)
+            del eng
+            free_device_memory()
+    results = {}
+    for label, runs in rows.items():
+        mid = {k: statistics.median(r[k] for r in runs) for k in ("prefill_s", "decode_tokens_per_s")}
+        results[label] = {"median_prefill_s": round(mid["prefill_s"], 3),
+                          "median_decode_tokens_per_s": round(mid["decode_tokens_per_s"], 1), "runs": runs}
+    for label, res in results.items():
+        off = results["off"]
+        res["prefill_vs_off"] = round(res["median_prefill_s"] / off["median_prefill_s"], 2)
+        res["decode_vs_off"] = round(res["median_decode_tokens_per_s"] / off["median_decode_tokens_per_s"], 2)
+        print(f"{label}: prefill {res['median_prefill_s']} s ({res['prefill_vs_off']}x off's time), decode "
+              f"{res['median_decode_tokens_per_s']} tok/s ({res['decode_vs_off']}x off's)", flush=True)
+    return {"mode": f"{where['device'].split(':')[0]}-speed", **where, "model": os.path.basename(model_dir),
+            "prompts": a.prompts, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
+            "rounds": a.rounds, "settings": {k: SETTINGS[k] for k in labels}, "results": results}
+
+
 def save(a, r: dict, partial: bool = False) -> None:
     """Write r to --json (if given) with the run's date and versions; partial: not every setting yet."""
     if not a.json:
@@ -593,6 +647,8 @@ def main(argv=None):
     ap.add_argument("--only", default=None, help="these settings (comma-separated labels; quality always runs off)")
     ap.add_argument("--capacity-budget", type=float, default=3.0, help="full-precision sequences the pool holds")
     ap.add_argument("--gpu", action="store_true", help="decode speed on the GPU (random weights) instead of quality")
+    ap.add_argument("--speed", action="store_true",
+                    help="prefill and decode speed of --model on --device (the torch engine, no CUDA graphs)")
     ap.add_argument("--shape", default="llama-1b",
                     help="--gpu: a make_tiny_model.py shape (random weights), or `model`: --model's checkpoint "
                          "on held-out stdlib docstrings")
@@ -631,8 +687,8 @@ def main(argv=None):
         SETTINGS.update(FLOOR)
         if a.gpu:
             SETTINGS.update(FLOOR_GPU)
-    r = gpu(a) if a.gpu else capacity(a) if a.capacity else quality(a)
-    if not a.gpu and not a.capacity:
+    r = gpu(a) if a.gpu else capacity(a) if a.capacity else speed(a) if a.speed else quality(a)
+    if not a.gpu and not a.capacity and not a.speed:
         print(table(r))
         if a.plot:
             plot(r, a.plot)

@@ -11,6 +11,7 @@ step instead; values come out of attention rotated, and one product with R per h
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -57,21 +58,26 @@ def quantize(x: torch.Tensor, mode: str, rotation: torch.Tensor | None = None) -
     return u[..., 0::2] | (u[..., 1::2] << 4), scale
 
 
+@functools.lru_cache(maxsize=None)
+def _nibbles(device: str) -> torch.Tensor:
+    """float32 [256, 2] on device: a byte's two's-complement nibbles, the low one (even dimension) first."""
+    return torch.tensor([[((b & 0xF) ^ 8) - 8, ((b >> 4) ^ 8) - 8] for b in range(256)], dtype=torch.float32,
+                        device=device)
+
+
 def unpack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., hd/2] -> int8 [..., hd] in [-8, 7]."""
-    lo = (codes & 0xF).to(torch.int8)
-    hi = (codes >> 4).to(torch.int8)
-    lo = torch.where(lo > 7, lo - 16, lo)
-    hi = torch.where(hi > 7, hi - 16, hi)
-    return torch.stack((lo, hi), dim=-1).flatten(-2)
+    """uint8 [..., hd/2] -> float32 [..., hd] in [-8, 7]: one table lookup a byte (shifts, masks and a stack
+    made the CPU router's INT4 decode steps twice as long as the INT8 ones': docs/benchmarks.md)."""
+    table = _nibbles(str(codes.device))
+    return table.index_select(0, codes.reshape(-1).long()).view(*codes.shape[:-1], 2 * codes.shape[-1])
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, mode: str, rotation: torch.Tensor | None = None,
                unrotate: bool = True) -> torch.Tensor:
     """The float32 vectors the codes stand for. With int4 and a rotation, unrotate=False keeps them
     in the rotated basis (what attention uses: queries rotated instead of keys)."""
-    q = codes if mode == "int8" else unpack_int4(codes)
-    x = q.float() * scales.float()[..., None]
+    q = codes.float() if mode == "int8" else unpack_int4(codes)
+    x = q * scales.float()[..., None]
     if mode == "int4" and rotation is not None and unrotate:
         x = x @ rotation.float()  # R is its own inverse
     return x

@@ -6,7 +6,7 @@ import torch
 
 from o3edge import O3Config, O3Model
 from o3edge.engine.kernels.quant_attention import quant_attention_partial, quant_attention_reference
-from o3edge.engine.kv_quant import dequantize, hadamard, quantize
+from o3edge.engine.kv_quant import dequantize, hadamard, quantize, unpack_int4
 from o3edge.engine.router import (KVRouter, RouterConfig, SaliencyBooks, blocks_to_demote, covering_blocks,
                                   holding_blocks, salient_rows)
 from o3edge.engine.sequence import SamplingParams, Sequence
@@ -36,6 +36,16 @@ def test_quantize_round_trip_error_is_within_half_a_step(mode):
     err = (dequantize(codes, scales, mode, rot, unrotate=False) - basis).abs()
     assert (err <= step * 0.5 + 1e-3 * basis.abs().amax(-1, keepdim=True)).all()
     assert torch.allclose(back.norm(dim=-1), x.norm(dim=-1), rtol=0.2 if mode == "int4" else 0.02)
+
+
+def test_int4_codes_unpack_to_their_nibbles_for_every_byte():
+    """Every byte value: the low nibble is the even dimension, both read as two's complement in [-8, 7],
+    for codes of any leading shape."""
+    codes = torch.arange(256, dtype=torch.uint8).view(4, 2, 32)
+    want = [[(b & 0xF) - 16 * (b & 0x8 > 0), (b >> 4) - 16 * (b >> 7)] for b in range(256)]
+    got = unpack_int4(codes)
+    assert got.shape == (4, 2, 64)
+    assert got.reshape(-1, 2).tolist() == [[float(lo), float(hi)] for lo, hi in want]
 
 
 def test_hadamard_is_orthonormal_and_its_own_inverse_for_any_head_dim():
@@ -193,6 +203,34 @@ def test_two_pool_attention_equals_dequantize_then_attend(mode):
     scores = scores.masked_fill(torch.arange(41)[None, None] > torch.arange(37, 41)[None, :, None], float("-inf"))
     want = torch.einsum("hns,shd->nhd", torch.softmax(scores, -1), v.repeat_interleave(3, 1))
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [(0, 41), (24, 17)])
+def test_a_prompt_chunk_attends_and_observes_as_one_softmax_does(chunk):
+    """A prompt's queries over full-precision keys alone (fused attention, only the observed queries' scores
+    made): the output is one causal softmax over the keys up to each query, and the books gain the last
+    obs_window queries' probabilities, averaged over the heads: whole prompts and later chunks alike."""
+    start, n = chunk
+    torch.manual_seed(4)
+    L, bs, KVH, H, hd, nblocks = 2, 8, 2, 6, 16, 8
+    kv = torch.randn(L, 2, (nblocks + 1) * bs, KVH, hd)
+    cfg = RouterConfig("int8", obs_window=5)
+    router = KVRouter(cfg, kv, nblocks, bs, 1)
+    ctx = start + n
+    seq = Sequence("p", list(range(ctx)), GREEDY)
+    seq.block_table = [5, 2, 7, 0, 3, 1]
+    seq.num_computed_tokens = start
+    step = router.begin_step([(seq, n)])
+    q = torch.randn(n, H, hd)
+    out = step.attend(1, q, kv[1, 0], kv[1, 1])
+    slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(ctx)])
+    k, v = kv[1, 0, slots].repeat_interleave(3, 1), kv[1, 1, slots].repeat_interleave(3, 1)
+    scores = torch.einsum("nhd,shd->hns", q, k) * hd ** -0.5
+    scores = scores.masked_fill(torch.arange(ctx)[None, None] > torch.arange(start, ctx)[None, :, None], float("-inf"))
+    probs = torch.softmax(scores, -1)
+    torch.testing.assert_close(out, torch.einsum("hns,shd->nhd", probs, v), atol=2e-5, rtol=1e-4)
+    want = probs[:, -5:].mean(0).sum(0).double()  # what layer 1 adds: the last 5 queries, mean over heads
+    torch.testing.assert_close(router.books.mass[router.books.row(seq.seq_id), :ctx], want, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.gpu

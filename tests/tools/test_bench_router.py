@@ -49,3 +49,18 @@ def test_rounds_report_the_median_and_each_rounds_ratio_to_full_precision():
     assert row["ratio_to_off_by_round"] == [0.9, 1.05, 1.0]
     assert row["ratio_to_off_median"] == 1.0
     assert row["rounds"] == router and row["steps"] == 127
+
+
+def test_speed_mode_times_prefill_and_decode_beside_full_precision(tmp_path):
+    """--speed on the built-in model: every setting's prefill seconds and decode tokens/s, each round kept,
+    and the ratios to full precision's (its own are 1)."""
+    out = tmp_path / "speed.json"
+    bench_router.main(["--speed", "--prompts", "1", "--prompt-tokens", "48", "--new-tokens", "5", "--only",
+                       "router-int8", "--json", str(out)])
+    import json
+
+    r = json.loads(out.read_text())
+    assert r["mode"] == "cpu-speed" and set(r["results"]) == {"off", "router-int8"}
+    for label, res in r["results"].items():
+        assert len(res["runs"]) == 1 and res["median_prefill_s"] > 0 and res["median_decode_tokens_per_s"] > 0
+    assert r["results"]["off"]["prefill_vs_off"] == r["results"]["off"]["decode_vs_off"] == 1.0
