@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from o3edge.engine.kv_quant import bytes_per_vector, code_dim, dequantize, hadamard, quantize
+from o3edge.engine.kv_quant import bytes_per_vector, code_dim, hadamard, quantize, unpack_int4
 
 ROUTER_MODES = ("off", "int8", "int4")
 
@@ -619,10 +619,10 @@ class KVRouter:
                                                      self.scales[layer], self.cfg.mode, self.block_size)
                 o_c, lse_c = self._rotate(o_c).transpose(0, 1), lse_c.transpose(0, 1)  # [H, 1, hd], [H, 1]
             else:
-                kc, vc = self._gather(layer, part.comp_slots)
-                s_comp = _scores(self._rotate(qf), kc, self.kv_heads) * scale  # [H, n, Sc]
+                kq, ks, vq, vs = self._codes(layer, part.comp_slots)
+                s_comp = _scores(self._rotate(qf), kq, self.kv_heads, ks) * scale  # [H, n, Sc]
                 lse_c = torch.logsumexp(s_comp, -1)
-                o_c = self._rotate(_weighted(torch.exp(s_comp - lse_c[..., None]), vc, self.kv_heads))
+                o_c = self._rotate(_weighted(torch.exp(s_comp - lse_c[..., None]), vq, self.kv_heads, vs))
             lse = torch.logaddexp(lse_f, lse_c)
             o = o * torch.exp(lse_f - lse)[..., None] + o_c * torch.exp(lse_c - lse)[..., None]
         else:
@@ -695,12 +695,17 @@ class KVRouter:
         sal = self.books.saliency_of(meta[:, -2], meta[:, -1], self.books.max_len)
         return sealed_any(salient(sal, self.cfg.threshold), self.block_size)
 
-    def _gather(self, layer: int, slots: torch.Tensor):
-        """Compressed keys and values at slots, dequantized (int4: still in the rotated basis)."""
-        codes, scales = self.codes[layer], self.scales[layer]
-        k = dequantize(codes[0].index_select(0, slots), scales[0].index_select(0, slots), self.cfg.mode)
-        v = dequantize(codes[1].index_select(0, slots), scales[1].index_select(0, slots), self.cfg.mode)
-        return k, v
+    def _codes(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
+        """The compressed keys and values at slots: their codes as float32 [S, KVH, hd] (int4: in the rotated
+        basis) and their scales [S, KVH] (float32), which multiply the dots and the probabilities rather than
+        every code (on the CPU, dequantizing every compressed vector each step was a fifth of a router decode
+        step: docs/benchmarks.md)."""
+        out = []
+        for t in (0, 1):
+            c = self.codes[layer, t].index_select(0, slots)
+            out += [c.float() if self.cfg.mode == "int8" else unpack_int4(c),
+                    self.scales[layer, t].index_select(0, slots).float()]
+        return out
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Into the INT4 pool's rotated basis, and back: the Hadamard matrix is its own inverse."""
@@ -715,8 +720,8 @@ class KVRouter:
         mass.index_add_(0, part.full_pos, p_full.double())
         if part.comp_slots.numel():
             if s_comp is None:  # the kernel gave no scores: recompute them for the one query
-                kc, _ = self._gather(layer, part.comp_slots)
-                s_comp = _scores(self._rotate(qf), kc, self.kv_heads) * scale
+                kq, ks, _, _ = self._codes(layer, part.comp_slots)
+                s_comp = _scores(self._rotate(qf), kq, self.kv_heads, ks) * scale
             p_comp = torch.exp(s_comp[:, -w:] - lse_w).mean(0).sum(0)
             mass.index_add_(0, part.comp_pos, p_comp.double())
         if layer:
@@ -745,18 +750,27 @@ class KVRouter:
                 "kv_blocks_demoted_total": blocks.num_demoted}
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """q [n, H, hd], k [S, KVH, hd] (float32) -> [H, n, S] dot products, GQA groups of H / KVH heads."""
+def _scores(q: torch.Tensor, k: torch.Tensor, kv_heads: int,
+            key_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, H, hd], k [S, KVH, hd] (float32) -> [H, n, S] dot products, GQA groups of H / KVH heads; with
+    key_scales [S, KVH], k holds codes and each dot is multiplied by its key's scale."""
     n, H, hd = q.shape
     G = H // kv_heads
     qg = q.view(n, kv_heads, G, hd).permute(1, 2, 0, 3).reshape(kv_heads, G * n, hd)
     s = torch.bmm(qg, k.permute(1, 2, 0))  # [KVH, G*n, S]
+    if key_scales is not None:
+        s = s * key_scales.t()[:, None, :]
     return s.view(H, n, k.shape[0])
 
 
-def _weighted(p: torch.Tensor, v: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """p [H, n, S], v [S, KVH, hd] -> [H, n, hd]."""
+def _weighted(p: torch.Tensor, v: torch.Tensor, kv_heads: int,
+              value_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """p [H, n, S], v [S, KVH, hd] -> [H, n, hd]; with value_scales [S, KVH], v holds codes and each
+    probability is multiplied by its value's scale."""
     H, n, S = p.shape
     G = H // kv_heads
-    out = torch.bmm(p.reshape(kv_heads, G * n, S), v.permute(1, 0, 2))  # [KVH, G*n, hd]
+    pg = p.reshape(kv_heads, G * n, S)
+    if value_scales is not None:
+        pg = pg * value_scales.t()[:, None, :]
+    out = torch.bmm(pg, v.permute(1, 0, 2))  # [KVH, G*n, hd]
     return out.view(H, n, v.shape[-1])
