@@ -66,8 +66,9 @@ def _nibbles(device: str) -> torch.Tensor:
 
 
 def unpack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., hd/2] -> float32 [..., hd] in [-8, 7]: one table lookup a byte (shifts, masks and a stack
-    made the CPU router's INT4 decode steps twice as long as the INT8 ones': docs/benchmarks.md)."""
+    """uint8 [..., hd/2] -> float32 [..., hd] in [-8, 7]: one table lookup a byte (with shifts, masks and a
+    stack instead, the CPU router's INT4 decode ran at 0.48x of full precision's speed against 0.68x:
+    tools/bench_router.py --speed, docs/benchmarks.md)."""
     table = _nibbles(str(codes.device))
     return table.index_select(0, codes.reshape(-1).long()).view(*codes.shape[:-1], 2 * codes.shape[-1])
 

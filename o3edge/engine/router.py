@@ -635,8 +635,8 @@ class KVRouter:
         """attend_seq for a prompt's queries when every key is full precision (no prefix hit on a compressed
         block): torch's fused attention, no [H, n, keys] matrix of scores; only the observed last queries'
         scores are made, for their probabilities. (With the whole matrix made and masked, a CPU prefill of
-        two 1,500-token prompts on the built-in long model took 3.5 s against 0.95 with the router off:
-        docs/benchmarks.md.)"""
+        two 1,500-token prompts on the built-in long model took 3.6 s against 1.3 with the router off:
+        tools/bench_router.py --speed, docs/benchmarks.md.)"""
         n, H, hd = qf.shape
         q, k, v = qf.transpose(0, 1)[None], kf.transpose(0, 1)[None], vf.transpose(0, 1)[None]
         if part.start == 0 and kf.shape[0] == n:  # the whole prompt in this step: causal, aligned
@@ -698,8 +698,8 @@ class KVRouter:
     def _codes(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
         """The compressed keys and values at slots: their codes as float32 [S, KVH, hd] (int4: in the rotated
         basis) and their scales [S, KVH] (float32), which multiply the dots and the probabilities rather than
-        every code (on the CPU, dequantizing every compressed vector each step was a fifth of a router decode
-        step: docs/benchmarks.md)."""
+        every code: a pass over every compressed vector fewer each step (the CPU router's INT4 decode went
+        from 0.71x to 0.82x of full precision's speed: tools/bench_router.py --speed, docs/benchmarks.md)."""
         out = []
         for t in (0, 1):
             c = self.codes[layer, t].index_select(0, slots)
