@@ -389,8 +389,8 @@ class KVRouter:
         self.moves = []
         # ~4 MB of layers at a time, each chunk's sources gathered before its codes are written (a layer's
         # codes live in its own bytes): with the whole pool at once, ~45 MB temporaries, fresh pages each,
-        # made a CPU flush of 170 blocks (the built-in long model, 16 x 3,840 tokens) take 73-84 ms against
-        # 30-34 in chunks (tools/bench_demotions.py --device cpu, float32 and bfloat16)
+        # made a CPU flush of 170 blocks (the built-in long model, 16 x 3,840 tokens) take 69-80 ms against
+        # 36-40 in chunks (tools/bench_demotions.py --device cpu, float32 and bfloat16; docs/benchmarks.md)
         L, layer_bytes = self.num_layers, 2 * len(src) * self.kv_heads * self.head_dim * 4  # in float32
         step = max(1, (4 << 20) // layer_bytes)
         for l0 in range(0, L, step):
