@@ -606,7 +606,7 @@ class KVRouter:
             return self._prompt_attention(layer, qf, kf, vf, part, scale)
         s_full = _scores(qf, kf, self.kv_heads) * scale  # [H, n, Sf]
         if n > 1:  # one decoding query sees every key (its own included): nothing to mask
-            s_full = s_full.masked_fill(part.full_pos[None, None, :] > part.q_pos[None, :, None], float("-inf"))
+            s_full = _causal(s_full, part.full_pos, part.q_pos)
         lse_f = torch.logsumexp(s_full, -1)  # every query sees itself: finite
         o = _weighted(torch.exp(s_full - lse_f[..., None]), vf, self.kv_heads)  # [H, n, hd]
         s_comp = None
@@ -619,7 +619,8 @@ class KVRouter:
                                                      self.scales[layer], self.cfg.mode, self.block_size)
                 o_c, lse_c = self._rotate(o_c).transpose(0, 1), lse_c.transpose(0, 1)  # [H, 1, hd], [H, 1]
             else:
-                kq, ks, vq, vs = self._codes(layer, part.comp_slots)
+                kq, ks = self._codes(layer, 0, part.comp_slots)
+                vq, vs = self._codes(layer, 1, part.comp_slots)
                 s_comp = _scores(self._rotate(qf), kq, self.kv_heads, ks) * scale  # [H, n, Sc]
                 lse_c = torch.logsumexp(s_comp, -1)
                 o_c = self._rotate(_weighted(torch.exp(s_comp - lse_c[..., None]), vq, self.kv_heads, vs))
@@ -646,8 +647,7 @@ class KVRouter:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         if part.observe:
             w = part.observe
-            s = _scores(qf[-w:], kf, self.kv_heads) * scale  # [H, w, Sf]
-            s = s.masked_fill(part.full_pos[None, None, :] > part.q_pos[-w:][None, :, None], float("-inf"))
+            s = _causal(_scores(qf[-w:], kf, self.kv_heads) * scale, part.full_pos, part.q_pos[-w:])  # [H, w, Sf]
             self._observe(layer, part, s, None, torch.logsumexp(s, -1), qf[-w:], scale)
         return o[0].transpose(0, 1)  # [n, H, hd]
 
@@ -695,17 +695,15 @@ class KVRouter:
         sal = self.books.saliency_of(meta[:, -2], meta[:, -1], self.books.max_len)
         return sealed_any(salient(sal, self.cfg.threshold), self.block_size)
 
-    def _codes(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
-        """The compressed keys and values at slots: their codes as float32 [S, KVH, hd] (int4: in the rotated
-        basis) and their scales [S, KVH] (float32), which multiply the dots and the probabilities rather than
-        every code: a pass over every compressed vector fewer each step (the CPU router's INT4 decode went
-        from 0.71x to 0.82x of full precision's speed: tools/bench_router.py --speed, docs/benchmarks.md)."""
-        out = []
-        for t in (0, 1):
-            c = self.codes[layer, t].index_select(0, slots)
-            out += [c.float() if self.cfg.mode == "int8" else unpack_int4(c),
-                    self.scales[layer, t].index_select(0, slots).float()]
-        return out
+    def _codes(self, layer: int, t: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed keys (t = 0) or values (t = 1) at slots: their codes as float32 [S, KVH, hd] (int4:
+        in the rotated basis) and their scales [S, KVH] (float32), which multiply the dots and the
+        probabilities rather than every code: a pass over every compressed vector fewer each step (the CPU
+        router's INT4 decode went from 0.71x to 0.82x of full precision's speed: tools/bench_router.py
+        --speed, docs/benchmarks.md)."""
+        c = self.codes[layer, t].index_select(0, slots)
+        return (c.float() if self.cfg.mode == "int8" else unpack_int4(c),
+                self.scales[layer, t].index_select(0, slots).float())
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Into the INT4 pool's rotated basis, and back: the Hadamard matrix is its own inverse."""
@@ -720,7 +718,7 @@ class KVRouter:
         mass.index_add_(0, part.full_pos, p_full.double())
         if part.comp_slots.numel():
             if s_comp is None:  # the kernel gave no scores: recompute them for the one query
-                kq, ks, _, _ = self._codes(layer, part.comp_slots)
+                kq, ks = self._codes(layer, 0, part.comp_slots)  # the keys alone
                 s_comp = _scores(self._rotate(qf), kq, self.kv_heads, ks) * scale
             p_comp = torch.exp(s_comp[:, -w:] - lse_w).mean(0).sum(0)
             mass.index_add_(0, part.comp_pos, p_comp.double())
@@ -748,6 +746,11 @@ class KVRouter:
                 "kv_tokens_full_share": round(share, 4), "kv_tokens_compressed_share": round(1 - share, 4),
                 "kv_blocks_compressed": comp, "kv_host_blocks": hosts,
                 "kv_blocks_demoted_total": blocks.num_demoted}
+
+
+def _causal(s: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Scores s [H, n, S] with each query's later keys (key_pos [S] past its q_pos [n]) at -inf."""
+    return s.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, kv_heads: int,
