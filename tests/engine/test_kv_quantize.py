@@ -88,7 +88,7 @@ def test_a_flush_reads_every_source_before_writing_into_a_host(mode):
         assert err < (0.01 if mode == "int8" else 0.25), err
 
 
-def test_no_moves_change_nothing():
+def test_no_moves_give_empty_codes_and_scales():
     kv = torch.randn(1, 2, 64, 2, 16).to(DEV)
     codes, scales = quantize_blocks(kv, torch.zeros(0, dtype=torch.long, device=DEV), 16, "int8", None)
     assert codes.shape == (1, 2, 0, 2, 16) and scales.shape == (1, 2, 0, 2)
