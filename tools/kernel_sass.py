@@ -86,8 +86,9 @@ def gemv(a) -> list:
     try:
         config = tuple(int(v) for v in a.config.split(",")) if a.config else None
         g.skinny_matmul(x, q, scales_and_zeros=sz, group_size=a.group, out_features=a.n, config=config)
-    except Exception:  # the launch: no device
-        pass
+    except Exception as e:  # the launch: no device (a compile error is shown)
+        if "CompilationError" in type(e).__name__ or "compil" in str(e).lower():
+            print(f"compile failed: {e}", file=sys.stderr)
     return compiled(g._skinny_kernel, g._row_stream_kernel, g._rows_stream_kernel)
 
 

@@ -41,6 +41,7 @@ import torch
 
 from o3edge.engine.cuda_graph import DecodeGraphs, capture_graphs
 from o3edge.engine.decode_step import decode_forward
+from o3edge.engine.kernels import INTERPRET
 from o3edge.engine.kernels.quant_attention import observe_splits
 
 
@@ -61,7 +62,7 @@ class RouterDecodeGraphs(DecodeGraphs):
 
     def __init__(self, runner, max_batch: int, capture: bool, launch_ahead: bool | None = None):
         super().__init__(runner, max_batch, capture, launch_ahead)
-        if runner.device.type != "cuda":  # under Triton's interpreter (tests): demotions by its kernel too
+        if runner.device.type != "cuda" and INTERPRET:  # the graph path's tests: demotions by its kernel too
             runner.router.move_kernel = True
         self.observe_graphs: dict = {}
         self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
