@@ -70,6 +70,11 @@ def _row_rstd(x_ptr, res_ptr, res_out_ptr, rm, m_mask, K, stride_x, eps, write,
     return 1.0 / tl.sqrt(ss / K + eps)
 
 
+# scales and zeros read as one 32-bit word a (group, row) (O3EDGE_INT4_SZ_WORD=0: two 16-bit loads, as before,
+# which Triton's software pipeline cannot stage into shared memory: each tile's dequantize then waited on them)
+SZ_WORD = tl.constexpr(os.environ.get("O3EDGE_INT4_SZ_WORD", "1") != "0")
+
+
 @triton.jit
 def offset_half(u, offset: tl.constexpr):
     """Codes stored with an offset (u = value + offset, 0 <= u < 1024, any int type) as float16 values, exactly,
@@ -89,7 +94,7 @@ def _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr
               WORD: tl.constexpr = 1):
     """INT4 rows rn, columns k0 .. k0+BLOCK_K (whole groups), as stored: [BLOCK_N, BLOCK_K // GROUP, GROUP //
     (2 * WORD)] bytes (WORD 1: even column in the high nibble) or int32 words of eight columns (WORD 4), and
-    each group's scale and zero [BLOCK_N, groups]."""
+    each group's scale and zero [BLOCK_N, groups] as float32."""
     NG: tl.constexpr = BLOCK_K // GROUP
     PER: tl.constexpr = 2 * WORD  # columns an element holds
     gi = tl.arange(0, NG)
@@ -102,9 +107,16 @@ def _int4_raw(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP: tl.constexpr
                     other=-2004318072)
     else:
         q = tl.load(w_ptr + rn[:, None, None] * stride_w + col, mask=mask, other=0x88)
-    sz = sz_ptr + ((k0 // GROUP + gi)[None, :] * N + rn[:, None]) * 2
     sz_mask = n_mask[:, None] & in_k[None, :]
-    return q, tl.load(sz, mask=sz_mask, other=0.0), tl.load(sz + 1, mask=sz_mask, other=0.0)
+    if SZ_WORD:  # a row's scale and zero (adjacent bf16s) as one 32-bit word: a load the pipeline can stage
+        sz = tl.load(sz_ptr.to(tl.pointer_type(tl.int32)) + (k0 // GROUP + gi)[None, :] * N + rn[:, None],
+                     mask=sz_mask, other=0)
+        scale, zero = (sz << 16).to(tl.float32, bitcast=True), (sz & -65536).to(tl.float32, bitcast=True)
+    else:
+        sz = sz_ptr + ((k0 // GROUP + gi)[None, :] * N + rn[:, None]) * 2
+        scale = tl.load(sz, mask=sz_mask, other=0.0).to(tl.float32)
+        zero = tl.load(sz + 1, mask=sz_mask, other=0.0).to(tl.float32)
+    return q, scale, zero
 
 
 @triton.jit
