@@ -8,10 +8,13 @@ Per layer, at batch 1:
   5. SiLU·mul fused into the down projection;
 then the final norm fused into the LM head, and the float32 logits with their greedy token. Larger
 batches (or `fused=False`) run the same step with the norm and SiLU·mul as kernels of their own and
-the projections on cuBLAS (or the INT4 module's own path, kernels/int4_matmul.py).
+the projections on cuBLAS (or the INT4 module's own path, kernels/int4_matmul.py); an INT4 gate/up
+projection on tiles ends in SiLU·mul itself (silu_epilogue).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +48,17 @@ def skinny_ok(mod, rows: int) -> bool:
     return isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) and rows == 1
 
 
+def silu_epilogue(mod, rows: int) -> bool:
+    """Whether an INT4 gate/up projection of `rows` rows makes SiLU(gate) * up in its tiles' epilogue
+    (gemv.skinny_matmul silu_out), so that no SiLU·mul kernel runs after it: where it runs on tiles (2-64
+    rows, not streamed), unless O3EDGE_INT4_SILU_EPILOGUE=0. On the H200 (tools/bench_gpu.py, tinyllama-1.1b
+    fp16, docs/benchmarks.md) ... (measured below)."""
+    from o3edge.engine.kernels.gemv import MAX_ROWS, rows_int4
+
+    return (isinstance(mod, Int4Linear) and mod.neutral and 1 < rows <= MAX_ROWS and not rows_int4(rows)
+            and os.environ.get("O3EDGE_INT4_SILU_EPILOGUE", "1") != "0")
+
+
 class Step:
     """The projections of one decode step, each with the op before it fused in where it can be."""
 
@@ -61,6 +75,19 @@ class Step:
 
         y = add_rmsnorm(x, residual, norm_weight, self.eps)  # updates residual in place
         return _apply(mod, y), (x if residual is None else residual)
+
+    def mlp(self, x, residual, norm_weight, mlp):
+        """(down(SiLU(gate) * up) of the gate/up projection of RMSNorm(x + residual) * norm_weight, the new
+        residual stream)."""
+        if self.fused and silu_epilogue(mlp.gate_up, self.rows):
+            from o3edge.engine.kernels.gemv import skinny_matmul
+            from o3edge.engine.kernels.norm import add_rmsnorm
+
+            y = add_rmsnorm(x, residual, norm_weight, self.eps)  # updates residual in place
+            h = skinny_matmul(y, silu_out=True, **_weights(mlp.gate_up))
+            return _apply(mlp.down, h), (x if residual is None else residual)
+        gate_up, residual = self.norm_linear(x, residual, norm_weight, mlp.gate_up)
+        return self.silu_linear(gate_up, mlp.down), residual
 
     def silu_linear(self, gate_up, mod):
         if self.fused and skinny_ok(mod, self.rows):
@@ -107,9 +134,7 @@ def decode_forward(model, meta: torch.Tensor, cos, sin, kv_cache, block_size: in
                                  block_size, num_splits, qn, kn, eps)
         else:
             o = attention(i, qkv, cos, sin, meta, attn.num_heads, num_splits, qn, kn, eps)
-        gate_up, residual = step.norm_linear(step.linear(o, attn.o), residual, layer.post_norm.weight,
-                                             layer.mlp.gate_up)
-        h = step.silu_linear(gate_up, layer.mlp.down)
+        h, residual = step.mlp(step.linear(o, attn.o), residual, layer.post_norm.weight, layer.mlp)
     head = model.embed if model.lm_head is None else model.lm_head
     logits, _ = step.norm_linear(h, residual, model.norm.weight, head)
     return float_logits_and_argmax(logits, None if last is None else last[:meta.shape[0]])

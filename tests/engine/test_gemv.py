@@ -94,6 +94,33 @@ def test_int4_weights_match_the_dequantized_linear(dtype, M, K, group, swap, asm
     _close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [3, 8, 32])
+@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("config", [None, (16, 128, 2, 4)])  # planned, and K split (the last split's epilogue)
+def test_silu_in_the_epilogue_equals_the_projection_then_silu_mul(dtype, M, int4, config, monkeypatch):
+    """A fused gate/up projection whose tiles end in SiLU(gate) * up gives what the projection and the
+    SiLU·mul kernel give one after the other, the rounding of each included; an intermediate size that is no
+    multiple of the half tile, swapped and unswapped tiles (32 rows swap)."""
+    I, K, group = 44, 256, 64
+    g, x, w = _data(M, 2 * I, K, dtype, M + I)
+    kw = {}
+    if int4:
+        qw, sz = quantize_int4(w.float().cpu(), group)
+        w, kw = qw.to(DEV), dict(scales_and_zeros=sz.to(DEV), group_size=group, out_features=2 * I)
+    gate_up = skinny_matmul(x, w, config=config, **kw)
+    ref = ((F.silu(gate_up[:, :I].float()).to(dtype).float()) * gate_up[:, I:].float()).to(dtype)
+    out = skinny_matmul(x, w, silu_out=True, config=config, **kw)
+    assert out.shape == (M, I)
+    _close(out, ref, dtype)
+
+
+def test_silu_in_the_epilogue_is_refused_where_no_tile_runs():
+    x, w = torch.randn(1, 64, device=DEV), torch.randn(32, 64, device=DEV)
+    with pytest.raises(ValueError, match="SiLU in the epilogue"):
+        skinny_matmul(x, w, silu_out=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pro", ["none", "norm", "silu"])
 @pytest.mark.parametrize("config", [(8, 128, 1, 4, 1), (4, 256, 1, 4, 2)])  # streamed: 1 or 2 programs per SM

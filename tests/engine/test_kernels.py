@@ -169,3 +169,41 @@ def test_static_decode_step_gives_the_eager_engines_tokens(checkpoints, prompt_t
     b = [r.token_ids for r in eager.generate_batch(prompts, params)]
     assert fused.engine.runner.graphs.num_steps >= 11
     assert a == b
+
+
+def _neutral_int4(w: torch.Tensor, group: int):
+    """An Int4Linear holding w in the device-neutral form its Triton kernels read (as load_quantized leaves
+    it on CUDA), on the kernels' device."""
+    from o3edge.engine.quant import Int4Linear, quantize_int4
+
+    mod = Int4Linear(w.shape[1], w.shape[0], group)
+    qw, sz = quantize_int4(w.float().cpu(), group)
+    mod.weight, mod.scales_and_zeros, mod.neutral = qw.to(DEV), sz.to(DEV), True
+    return mod
+
+
+@pytest.mark.parametrize("rows", [2, 5, 32])
+def test_int4_mlp_with_silu_in_the_gate_up_epilogue_equals_it_with_a_silu_mul_kernel(rows, monkeypatch):
+    """The decode step's MLP over INT4 gate/up and down at 2-64 rows: with SiLU·mul made in the gate/up
+    tiles' epilogue (no kernel of its own: decode_step.silu_epilogue) it gives the same output and residual
+    stream as the projection followed by the SiLU·mul kernel. Two rows take the streamed kernel: no
+    epilogue there."""
+    from types import SimpleNamespace
+
+    from o3edge.engine.decode_step import Step, silu_epilogue
+
+    dtype, D, inter, group = torch.float16, 128, 96, 32
+    g = torch.Generator().manual_seed(rows)
+    mlp = SimpleNamespace(gate_up=_neutral_int4(torch.randn(2 * inter, D, generator=g) / D ** 0.5, group),
+                          down=_neutral_int4(torch.randn(D, inter, generator=g) / inter ** 0.5, group))
+    x, res = (torch.randn(rows, D, generator=g).to(DEV, dtype) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV, dtype)
+    outs = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("O3EDGE_INT4_SILU_EPILOGUE", on)
+        assert silu_epilogue(mlp.gate_up, rows) == (on == "1" and rows != 2)
+        r = res.clone()
+        outs[on] = Step(1e-5, rows, fused=True).mlp(x, r, nw, mlp)
+    (h1, r1), (h0, r0) = outs["1"], outs["0"]
+    torch.testing.assert_close(r1, r0, atol=0, rtol=0)
+    torch.testing.assert_close(h1.float(), h0.float(), atol=2e-3, rtol=2e-3)

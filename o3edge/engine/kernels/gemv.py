@@ -357,13 +357,20 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
                    PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr,
                    SPLITS: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr = False,
-                   SWAP: tl.constexpr = False, ASM: tl.constexpr = False):
+                   SWAP: tl.constexpr = False, ASM: tl.constexpr = False, SILU_OUT: tl.constexpr = False):
     pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
     rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = rm < M, rn < N
+    if SILU_OUT:  # gate rows [0, N/2), up rows [N/2, N): half a tile of each, the same output columns
+        j = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        col = pid_n * (BLOCK_N // 2) + j
+        rn = tl.where(tl.arange(0, BLOCK_N) < BLOCK_N // 2, col, N // 2 + col)
+        n_mask = col < N // 2
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+    m_mask = rm < M
     pdl.wait_for_previous(PDL)  # the activations are the previous kernel's output
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if PRO == 1:
@@ -396,15 +403,35 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
         acc = tl.trans(acc_t)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + rn, mask=n_mask & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
-    tile = rm[:, None] * stride_out + rn[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLITS == 1:
-        tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    elif last_arrival(part_ptr + pid_k * stride_split + tile, acc, mask, count_ptr + pid_n, SPLITS):
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the splits in order: the same sum whoever is last
-        for s in range(SPLITS):
-            total += tl.load(part_ptr + s * stride_split + tile, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_out(acc, out_ptr, rm, m_mask, rn, n_mask, pid_n, N, stride_out, BLOCK_N, SILU_OUT)
+    else:
+        tile = rm[:, None] * N + rn[None, :]  # the partial sums: [splits, M, N]
+        if last_arrival(part_ptr + pid_k * stride_split + tile, acc, mask, count_ptr + pid_n, SPLITS):
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # the splits in order: the same sum whoever is last
+            for s in range(SPLITS):
+                total += tl.load(part_ptr + s * stride_split + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_out(total, out_ptr, rm, m_mask, rn, n_mask, pid_n, N, stride_out, BLOCK_N, SILU_OUT)
+
+
+@triton.jit
+def _store_out(acc, out_ptr, rm, m_mask, rn, n_mask, pid_n, N, stride_out, BLOCK_N: tl.constexpr,
+               SILU_OUT: tl.constexpr):
+    """A finished output tile [BLOCK_M, BLOCK_N] (weight rows rn) into out; with SILU_OUT the tile holds gate
+    then up columns and SiLU(gate) * up goes to the tile's BLOCK_N / 2 columns of out [M, N / 2], rounded
+    where eager torch rounds: the projection's output, the SiLU, the product (kernels/activation.py)."""
+    dtype = out_ptr.dtype.element_ty
+    if SILU_OUT:
+        HALF: tl.constexpr = BLOCK_N // 2
+        pair = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [acc.shape[0], 2, HALF]), (0, 2, 1))
+        gate, up = tl.split(pair)
+        col = pid_n * HALF + tl.arange(0, HALF)
+        out = ((gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up).to(dtype)
+        tl.store(out_ptr + rm[:, None] * stride_out + col[None, :], out, mask=m_mask[:, None] & (col < N // 2)[None, :])
+    else:
+        tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], acc.to(dtype),
+                 mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -711,13 +738,15 @@ def _asm_tiling(M: int, N: int) -> tuple[int, ...]:
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: torch.Tensor | None = None,
                   group_size: int = 0, out_features: int | None = None, bias: torch.Tensor | None = None,
                   norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
-                  silu: bool = False, config: tuple[int, ...] | None = None):
+                  silu: bool = False, silu_out: bool = False, config: tuple[int, ...] | None = None):
     """y = prologue(x) @ W.T (+ bias) for x [M <= MAX_ROWS, *].
 
     - plain: x [M, K];
     - norm_weight given: prologue = RMSNorm(x + residual) * norm_weight; returns (y, new residual) where
       the new residual is x + residual in a fresh tensor (x itself when residual is None);
-    - silu: x [M, 2K] holds gate then up; prologue = SiLU(gate) * up.
+    - silu: x [M, 2K] holds gate then up; prologue = SiLU(gate) * up;
+    - silu_out: W's rows are gate then up (a fused gate/up projection, N even); returns SiLU(gate) * up
+      [M, N / 2], made in the tiles' epilogue (tiles of 2-64 rows, not streamed rows), no kernel after.
     weight: dense [N, K] in x's dtype, or INT4 qweight uint8 [N, Kp/2] with scales_and_zeros, group_size
     and out_features. config overrides plan() (for the benchmark).
     """
@@ -745,6 +774,9 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     if per_sm:  # row blocks streamed on a few programs per SM
         blocks = triton.cdiv(N, block_n)
         programs = min(blocks, sms * per_sm)
+    if silu_out and (per_sm or M == 1 or pro != PRO_NONE or N % 2):
+        raise ValueError(f"SiLU in the epilogue takes tiles of 2-{MAX_ROWS} rows, no prologue, an even N; got "
+                         f"{M} rows, N={N}" + (", streamed" if per_sm else ""))
     if per_sm and M == 1:
         if INTERPRET and config is None:  # each program recomputes the prologue's statistics: two programs
             programs = min(programs, 2)
@@ -768,15 +800,17 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         return out
     k_per_split = -(-K // (splits * block_k)) * block_k
     iters = k_per_split // block_k
-    grid = (triton.cdiv(N, block_n), splits)
+    if silu_out:
+        out = torch.empty(M, N // 2, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(N // 2, block_n // 2) if silu_out else triton.cdiv(N, block_n), splits)
     part = out if splits == 1 else torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
     count = out if splits == 1 else arrival_counters(x.device, grid[0])
     _skinny_kernel[grid](
         x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, out, part, count,
-        M, N, K, x.stride(0), weight.stride(0), N, M * N, eps, k_per_split,
+        M, N, K, x.stride(0), weight.stride(0), out.stride(0), M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
         PDL=on, PACKED=packed_int4(x) and int4 and M == 1, SWAP=int4 and swap_int4(M, N),
-        ASM=asm, num_warps=warps, **stages, **pdl.launch_options(on),
+        ASM=asm, SILU_OUT=silu_out, num_warps=warps, **stages, **pdl.launch_options(on),
         **(int4_register_cap(M, warps, grid[0] * grid[1], sms) if asm else {}))
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
