@@ -51,8 +51,10 @@ def skinny_ok(mod, rows: int) -> bool:
 def silu_epilogue(mod, rows: int) -> bool:
     """Whether an INT4 gate/up projection of `rows` rows makes SiLU(gate) * up in its tiles' epilogue
     (gemv.skinny_matmul silu_out), so that no SiLU·mul kernel runs after it: where it runs on tiles (2-64
-    rows, not streamed), unless O3EDGE_INT4_SILU_EPILOGUE=0. On the H200 (tools/bench_gpu.py, tinyllama-1.1b
-    fp16, docs/benchmarks.md) ... (measured below)."""
+    rows, not streamed), unless O3EDGE_INT4_SILU_EPILOGUE=0. On the H200 (tools/bench_gpu.py --shape
+    tinyllama-1.1b --dtype float16 --int4 --batches 4,8,32, off and on twice in one call;
+    docs/results/gpu-2026-12-03f/silu-epilogue/), INT4-FFN decode at batch 32 went from 25,263-25,490 to
+    27,088-27,193 tok/s (fp16 24,674-24,892 in the same runs), at 8 from 7,230-7,242 to 7,276-7,285."""
     from o3edge.engine.kernels.gemv import MAX_ROWS, rows_int4
 
     return (isinstance(mod, Int4Linear) and mod.neutral and 1 < rows <= MAX_ROWS and not rows_int4(rows)
