@@ -519,21 +519,28 @@ def capacity(a) -> dict:
             "budget_sequences_full_precision": a.capacity_budget, "settings": SETTINGS, "results": rows}
 
 
-def generate_all(eng: LLMEngine, prompts: list[list[int]], new: int) -> float:
-    """Seconds to generate `new` tokens from each prompt, all queued at once, timed from outside the engine."""
+def generate_all(eng: LLMEngine, prompts: list[list[int]], new: int) -> tuple[float, float]:
+    """(seconds to generate `new` tokens from each prompt, all queued at once; seconds until every prompt had
+    its first token), timed from outside the engine."""
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         eng.add_request(f"s{i}-{new}-{t0}", p, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    started, first = set(), None
     while eng.has_unfinished_requests():
-        eng.step()
-    return time.perf_counter() - t0
+        outputs, _ = eng.step()
+        started.update(o.request_id for o in outputs if o.token_ids)
+        if first is None and len(started) == len(prompts):
+            first = time.perf_counter() - t0
+    return time.perf_counter() - t0, first
 
 
 def speed(a) -> dict:
     """Prefill and decode speed on --device, every setting on the torch engine, timed from outside it: --prompts
     held-out prompts of --prompt-tokens at once generating one token each (the prefill, the prompt's routing
     included), then --prompts other held-out prompts (no prefix reuse) generating --new-tokens each; decode
-    tokens/s is the extra tokens over the extra time. --rounds N runs every setting N times, alternating."""
+    tokens/s is the tokens after the first over the time after the last first token, in that same run (the
+    prefill run's time subtracted instead went negative on a loaded machine). --rounds N runs every setting
+    N times, alternating."""
     model_dir = resolve_model_path(a.model)
     labels = ["off"] + [x for x in labels_of(a) if x != "off"]
     rows, where = {label: [] for label in labels}, None
@@ -543,10 +550,10 @@ def speed(a) -> dict:
             where = where or device_info(eng, a.threads)
             prompts, _ = held_out(eng.tokenizer, 2 * a.prompts + 1, a.prompt_tokens)
             generate_all(eng, prompts[-1:], 2)  # warm-up
-            prefill = generate_all(eng, prompts[:a.prompts], 1)
-            whole = generate_all(eng, prompts[a.prompts:2 * a.prompts], a.new_tokens)
+            prefill, _ = generate_all(eng, prompts[:a.prompts], 1)
+            whole, first = generate_all(eng, prompts[a.prompts:2 * a.prompts], a.new_tokens)
             row = {"prefill_s": round(prefill, 3), "whole_s": round(whole, 3),
-                   "decode_tokens_per_s": round(a.prompts * (a.new_tokens - 1) / (whole - prefill), 1),
+                   "decode_tokens_per_s": round(a.prompts * (a.new_tokens - 1) / (whole - first), 1),
                    "blocks_demoted": getattr(eng.blocks, "num_demoted", 0)}
             rows[label].append(row)
             print(label, row, flush=True)
