@@ -2,14 +2,15 @@
 """GPU benchmark: o3edge beside llama.cpp and transformers, same checkpoint, same run.
 
 Every figure is a whole generation timed from outside the engine: B distinct random 128-token
-prompts (a new set for every generation, so prefix reuse never helps), 128 new greedy tokens each.
+prompts (a new set for every generation, so prefix reuse never helps), 128 new greedy tokens each
+(--sampled: also sampled ones, temperature 0.7, top-p 0.9, top-k 40, seeded).
   decode tok/s = B * 127 / (end of generation - the moment the last first token arrived)
   TTFT         = one 128-token prompt alone, request in to first token out
   tokens/J     = generated tokens / NVML board energy over repeated whole generations (>= 3 s)
 llama.cpp figures are parsed from the logs of `.peer/run.sh` (tools/bench_gpu_vs_llamacpp.sh runs it
 in the same device call); transformers runs in this process.
 
-  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--int4-all] [--model DIR]
+  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--int4-all] [--sampled] [--model DIR]
          [--llamacpp BENCH_LOG,ENERGY_LOG] [--skip-hf] [--json OUT] [--plot OUT.png]
 """
 
@@ -63,9 +64,15 @@ class Prompts:
         return torch.randint(100, min(self.vocab, 30000), (n, PROMPT_LEN), generator=g).tolist()
 
 
-def generation(model: O3Model, prompts: list[list[int]]) -> dict:
-    """One whole generation, timed from outside: wall time, and decode rate after the last first token."""
-    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+# --sampled: what a chat client sends (the HTTP door's default is temperature 1.0)
+SAMPLED = dict(temperature=0.7, top_p=0.9, top_k=40)
+SAMPLED_NAME = "o3edge sampled (T 0.7, top-p 0.9, top-k 40)"
+
+
+def generation(model: O3Model, prompts: list[list[int]], sampling: dict | None = None) -> dict:
+    """One whole generation, timed from outside: wall time, and decode rate after the last first token.
+    sampling: SamplingParams fields for sampled requests (seeded); greedy without."""
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, **(dict(sampling, seed=1) if sampling else {}))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     results = model.generate_batch(prompts, params)
@@ -80,7 +87,8 @@ ALL = "o3edge INT4 (all linears)"
 HEAD = "o3edge INT4-FFN + INT4 LM head"
 
 
-def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192, int4_all=False, int4_head=False):
+def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192, int4_all=False, int4_head=False,
+             sampling: dict | None = None):
     model = O3Model.from_config(O3Config(model_path=path, device="cuda", dtype=dtype, max_model_len=2048,
                                          max_num_seqs=max(batches), kv_cache_memory_mb=kv_mb, int4_ffn=int4,
                                          int4_all=int4_all, int4_lm_head=int4_head,
@@ -98,7 +106,7 @@ def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192, int4_all=Fals
             graphs.num_steps = graphs.num_ahead_taken = 0
         runs, e0, t0 = [], energy.read() if energy.read else None, time.perf_counter()
         while len(runs) < 3 or time.perf_counter() - t0 < 3.0:
-            runs.append(generation(model, prompts(B)))
+            runs.append(generation(model, prompts(B), sampling))
         joules = energy.read() - e0 if e0 is not None else None
         rows[f"b{B}"] = dict(tok_s=statistics.median(r["decode_tok_s"] for r in runs),
                              e2e_tok_s=statistics.median(r["e2e_tok_s"] for r in runs),
@@ -218,6 +226,8 @@ def main():
     ap.add_argument("--int4", action="store_true", help="also run o3edge with INT4 FFN weights")
     ap.add_argument("--int4-all", action="store_true", help="also run o3edge with every linear in INT4")
     ap.add_argument("--int4-head", action="store_true", help="also run o3edge with INT4 FFN and LM head")
+    ap.add_argument("--sampled", action="store_true",
+                    help="also run o3edge with sampled requests (temperature 0.7, top-p 0.9, top-k 40, seeded)")
     ap.add_argument("--model", help="existing checkpoint dir (default: make one with random weights)")
     ap.add_argument("--llamacpp", help="BENCH_LOG[,ENERGY_LOG] of .peer/run.sh from this same call")
     ap.add_argument("--reuse", help="o3edge figures from an earlier --json of this run (skip re-measuring)")
@@ -259,6 +269,9 @@ def measure(a, batches) -> dict:
     if a.int4:
         r["systems"]["o3edge INT4-FFN"] = bench_o3(path, a.dtype, batches, energy, int4=True)
         print("o3edge INT4-FFN", json.dumps(r["systems"]["o3edge INT4-FFN"]), flush=True)
+    if a.sampled:
+        r["systems"][SAMPLED_NAME] = bench_o3(path, a.dtype, batches, energy, sampling=SAMPLED)
+        print(SAMPLED_NAME, json.dumps(r["systems"][SAMPLED_NAME]), flush=True)
     if a.int4_head:
         r["systems"][HEAD] = bench_o3(path, a.dtype, batches, energy, int4=True, int4_head=True)
         print(HEAD, json.dumps(r["systems"][HEAD]), flush=True)

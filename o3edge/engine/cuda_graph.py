@@ -18,12 +18,14 @@ still be in flight while the next step's is filled).
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
 
 from o3edge.engine.decode_step import decode_forward
 from o3edge.engine.kernels import num_sms
+from o3edge.engine.sampling import counter_sample, counter_settings
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,17 @@ class DecodeGraphs:
         self.ahead: list[tuple[int, int, int]] | None = None  # (seq_id, position, token) of the queued step
         self.memo: dict[int, tuple] = {}  # seq_id -> (its table entries, what fill_meta made of them: cached)
         self.num_steps = self.num_ahead_taken = 0
+        # sampled rows drawn inside the graph (sampling.counter_sample), steps with any such row replaying a
+        # second graph a bucket and parity, launched ahead like greedy ones: O3EDGE_GRAPH_SAMPLING=1, off by
+        # default until measured on a GPU. Their settings come in beside the metadata, from two host buffers.
+        self.sampling = os.environ.get("O3EDGE_GRAPH_SAMPLING") == "1"
+        self.vocab = runner.args.vocab_size
+        self.samp = torch.zeros(B, 4, dtype=torch.float32, device=dev)
+        self.samp_host = [torch.zeros(B, 4, dtype=torch.float32, pin_memory=pinned) for _ in range(2)]
+        for h in self.samp_host:  # greedy rows until filled (a capture's warm-up reads them)
+            h[:] = torch.tensor([1.0, self.vocab - 1, 2.0, 1.0])
+        self.seeds = torch.zeros(B, dtype=torch.long, device=dev)
+        self.seeds_host = [torch.zeros(B, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
 
     def attention_per_sm(self) -> tuple[int, bool]:
         """(attention programs per SM the key splits aim for, whether that is a ceiling: attention_splits)."""
@@ -151,9 +164,15 @@ class DecodeGraphs:
         """The step of bucket B with its copies: the metadata from host buffer `parity`, the input tokens of
         a launched-ahead step from `last` on the device, the greedy tokens back into host buffer `parity`.
         (observe: the token router's observing step, router_graph.py.)"""
-        B, parity = key
+        B, parity, sampled = key[0], key[1], len(key) > 2
         self.meta[:B].copy_(self.meta_host[parity][:B], non_blocking=True)
+        if sampled:  # (B, parity, 1): the rows' sampling settings and seeds too
+            self.samp[:B].copy_(self.samp_host[parity][:B], non_blocking=True)
+            self.seeds[:B].copy_(self.seeds_host[parity][:B], non_blocking=True)
         logits, tokens = self._decode(B, observe)
+        if sampled:  # the counter: each row's position (its draw is the same on every path: runner.py)
+            tokens = counter_sample(logits, tokens, self.samp[:B], self.seeds[:B], self.meta[:B, 1])
+            self.last[:B].copy_(tokens)  # a launched-ahead step's input tokens
         self.tokens_hosts[parity][:B].copy_(tokens, non_blocking=True)
         return logits, tokens
 
@@ -164,8 +183,10 @@ class DecodeGraphs:
                               self.fused, last=self.last)
 
     def graph_keys(self) -> list[tuple[int, int]]:
-        """(bucket, parity): a graph per batch bucket and host buffer."""
-        return [(b, parity) for b in self.batch_buckets for parity in (0, 1)]
+        """(bucket, parity): a graph per batch bucket and host buffer; with graph sampling also (bucket,
+        parity, 1), the step that samples."""
+        keys = [(b, parity) for b in self.batch_buckets for parity in (0, 1)]
+        return keys + [(*k, 1) for k in keys] if self.sampling else keys
 
     def capture_all(self) -> None:
         """Capture the graphs (thread-local capture errors: the pinned-memory allocator queries its events
@@ -183,7 +204,11 @@ class DecodeGraphs:
         self.fill_meta(meta, batch, B, ahead)
         if ahead:
             meta[:len(batch), 0] = -1 - np.asarray(rows, dtype=np.int32)
-        logits, _ = self._step((B, parity))
+        key = (B, parity)
+        if self.sampling and not all(seq.params.greedy for seq, _ in batch):
+            self._fill_sampling(parity, batch, B)
+            key = (B, parity, 1)
+        logits, _ = self._step(key)
         if self.copied[parity] is not None:
             self.copied[parity].record()
         return logits, parity
@@ -220,6 +245,13 @@ class DecodeGraphs:
             meta[b, 3:3 + len(table)] = self.cached(seq.seq_id, list(table), _int32)
         meta[len(batch):B, :3] = (0, 0, self.runner.scratch_slot)  # padding rows: scratch slot, self only
 
+    def _fill_sampling(self, parity: int, batch, B: int) -> None:
+        """Host buffer `parity`'s sampling settings and seeds for batch (padding rows greedy)."""
+        n, samp = len(batch), self.samp_host[parity]
+        samp[:n] = torch.tensor(counter_settings([seq.params for seq, _ in batch], self.vocab))
+        samp[n:B] = torch.tensor([1.0, self.vocab - 1, 2.0, 1.0])
+        self.seeds_host[parity][:n] = torch.tensor([self.runner.seed_of(seq) for seq, _ in batch])
+
     def _continues(self, batch) -> bool:
         """Whether a step for this batch one token on may be queued: every sequence is greedy, still
         within the model's length and holds a block for its next position, and some sequence goes on
@@ -230,7 +262,7 @@ class DecodeGraphs:
         bs, limit, reserve = self.block_size, self.runner.max_model_len, self.runner.reserve_block
         for seq, _ in batch:
             nxt = seq.num_computed_tokens + 1
-            if not seq.params.greedy or nxt != len(seq) or nxt >= limit:
+            if (not seq.params.greedy and not self.sampling) or nxt != len(seq) or nxt >= limit:
                 return False
             if nxt // bs >= len(seq.block_table) and (reserve is None or not reserve(seq)):
                 return False

@@ -64,6 +64,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         super().__init__(runner, max_batch, capture, launch_ahead)
         if runner.device.type != "cuda" and INTERPRET:  # the graph path's tests: demotions by its kernel too
             runner.router.move_kernel = True
+        self.sampling = False  # sampled rows: sampled after the graph (graph sampling is the plain path's)
         self.observe_graphs: dict = {}
         self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
         self.observed: dict[int, list] = {}  # ahead (0: launched now, 1: queued) -> rows of an observing step

@@ -15,7 +15,7 @@ from o3edge.engine.cuda_graph import DecodeGraphs
 from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.prefill_graph import PrefillGraphs
 from o3edge.engine.rope import rope_tables
-from o3edge.engine.sampling import make_generator, pick_tokens
+from o3edge.engine.sampling import counter_sample, counter_settings, make_generator, pick_tokens
 from o3edge.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class ModelRunner:
         ready = kv_ready or _nothing
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
         greedy_only = all(batch[i][0].params.greedy for i in done)
+        on_device = greedy_only or (self.graphs is not None and self.graphs.sampling)  # the graph picks them
         picked = None
         if self.router is not None and self.graphs is not None and self.graphs.fits(batch):
             ready()
@@ -129,7 +130,7 @@ class ModelRunner:
             self.router.end_step(batch)  # plans demotions: blocks.mark_computed carries them out
         elif self.graphs is not None and self.graphs.fits(batch):
             ready()
-            logits, picked = self.graphs.run(batch, greedy_only)  # decode: greedy picked on the GPU
+            logits, picked = self.graphs.run(batch, on_device)  # decode: greedy (or sampled) picked on the GPU
         else:
             if self.graphs is not None:
                 self.graphs.drop_ahead()
@@ -148,6 +149,8 @@ class ModelRunner:
                 ready()
                 logits = forward(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy (None: overwritten)
+        if picked is None and self.graphs is not None and self.graphs.sampling:
+            return self._counter_pick(batch, logits)
         if picked is None:
             return pick_tokens(batch, logits, self._generator)
         tokens: list[int | None] = [None] * len(batch)
@@ -161,6 +164,28 @@ class ModelRunner:
         input_ids, positions, step = self.prepare([(seq, seq.num_uncomputed)])
         step.logits_index = torch.arange(len(input_ids), device=self.device)
         return self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
+
+    def seed_of(self, seq: Sequence) -> int:
+        """A sequence's seed: its request's, or one of its own (as its torch.Generator's: _generator)."""
+        return seq.params.seed if seq.params.seed is not None else self._seed + seq.seq_id
+
+    def _counter_pick(self, batch, logits: torch.Tensor) -> list[int | None]:
+        """pick_tokens with the graph's draw (sampling.counter_sample, the counter the position of each row's
+        last input token), so that with graph sampling a sampled token is the same on every path: a graph
+        step, a step with a prompt in it, a batch past the largest bucket."""
+        done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
+        tokens: list[int | None] = [None] * len(batch)
+        if not done:
+            return tokens
+        seqs = [batch[i][0] for i in done]
+        rows = logits if len(done) == len(batch) else logits[done]
+        dev = rows.device
+        cfg = torch.tensor(counter_settings([s.params for s in seqs], rows.shape[1]), dtype=torch.float32)
+        ints = torch.tensor([[self.seed_of(s), len(s) - 1] for s in seqs], dtype=torch.long).to(dev)
+        picked = counter_sample(rows, rows.argmax(dim=-1), cfg.to(dev), ints[:, 0], ints[:, 1]).tolist()
+        for i, tok in zip(done, picked):
+            tokens[i] = tok
+        return tokens
 
     def _generator(self, seq: Sequence):
         if seq.seq_id not in self.generators:

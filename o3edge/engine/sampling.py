@@ -71,6 +71,37 @@ def _filtered(logits: torch.Tensor, cfg: torch.Tensor, kmax: int, top_p: bool) -
     return probs
 
 
+# counter sampling (DecodeGraphs with graph sampling): a row's settings as float32 columns
+TEMPERATURE, KTH, TOP_P, GREEDY = range(4)
+
+
+def counter_settings(params: list[SamplingParams], V: int) -> list[list[float]]:
+    """counter_sample's settings rows: temperature (1 when greedy), the index of the k-th largest logit
+    (V - 1 without top-k), top_p (2: none, so that rounding never drops a token), greedy or not."""
+    return [[p.temperature if not p.greedy else 1.0, (p.top_k if 0 < p.top_k < V else V) - 1,
+             p.top_p if p.top_p < 1.0 else 2.0, float(p.greedy)] for p in params]
+
+
+def counter_sample(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor, seeds: torch.Tensor,
+                   counters: torch.Tensor) -> torch.Tensor:
+    """Tokens [B] (int64) for logits [B, V] float32, with fixed shapes and no host sync, so a CUDA graph can
+    hold it: greedy rows keep `greedy` (their argmax), sampled rows draw from the same distribution as
+    `sample` (temperature, then top-k, then top-p over the sorted probabilities) by the exponential race
+    with counter noise (kernels/noise.py): row r's draw depends only on (seeds[r], counters[r]) and its
+    logits. cfg: float32 [B, 4] (counter_settings); seeds int64 [B]; counters [B] (a sequence's position)."""
+    from o3edge.engine.kernels.noise import exponential_noise
+
+    V = logits.shape[1]
+    x = logits / cfg[:, TEMPERATURE:TEMPERATURE + 1]
+    sx, order = torch.sort(x, dim=-1, descending=True)
+    kth = sx.gather(1, cfg[:, KTH:KTH + 1].long())
+    p = torch.softmax(sx.masked_fill(sx < kth, float("-inf")), dim=-1)  # sorted: top-k kept, ties too
+    p = p.masked_fill(p.cumsum(-1) - p >= cfg[:, TOP_P:TOP_P + 1], 0.0)  # the first always stays
+    noise = exponential_noise(seeds, counters, V).gather(1, order)
+    drawn = order.gather(1, (p / noise).argmax(dim=-1, keepdim=True))[:, 0]
+    return torch.where(cfg[:, GREEDY] > 0, greedy, drawn)
+
+
 def pick_tokens(batch, logits: torch.Tensor, generator_for) -> list[int | None]:
     """A token for each (sequence, new tokens) row whose prompt this step finishes (None elsewhere)."""
     return sampling_np.pick_tokens(batch, logits, generator_for, sample)

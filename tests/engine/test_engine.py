@@ -327,6 +327,52 @@ def test_launch_ahead_decode_matches_eager(tiny_dir):
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
+def test_sampled_rows_drawn_in_the_graph_step_launch_ahead_and_match_every_other_path(tiny_dir, monkeypatch):
+    """Graph sampling (O3EDGE_GRAPH_SAMPLING=1): sampled requests decode in the graph step, launched ahead
+    like greedy ones, and each token is the one the eager path draws (the same counter noise: a request's
+    draws depend on its seed and positions alone): sequences ending at different lengths, a late arrival,
+    an abort, greedy and sampled rows in one batch. The same seeded request alone gets the same tokens."""
+    pytest.importorskip("triton")
+    from o3edge.engine.cuda_graph import DecodeGraphs
+
+    monkeypatch.setenv("O3EDGE_GRAPH_SAMPLING", "1")
+    engines = [load_for_kernels(tiny_dir, kv_block_size=8, max_model_len=300) for _ in range(3)]
+    graphs = DecodeGraphs(engines[0].engine.runner, 8, capture=False, launch_ahead=True)
+    engines[0].engine.runner.graphs = graphs
+    eager = DecodeGraphs(engines[1].engine.runner, 8, capture=False)  # every step eager, sampling alike
+    eager.fits = lambda batch: False
+    engines[1].engine.runner.graphs = eager
+    engines[2].engine.runner.graphs = DecodeGraphs(engines[2].engine.runner, 8, capture=False, launch_ahead=True)
+    assert graphs.sampling and eager.sampling
+    prompts = [engines[0].engine.encode(p) for p in ("a = 1", "def f(x):\n    return", "import os", "x = [")]
+    kinds = [dict(temperature=0.9, top_p=0.9, seed=7), dict(temperature=1.2, top_k=20, seed=8), dict(),
+             dict(temperature=0.7, seed=9)]
+
+    def run(model, only=None):
+        e, out, steps = model.engine, {}, 0
+        for i, (ids, n, kw) in enumerate(zip(prompts, (20, 9, 14, 30), kinds)):
+            if only is None or i == only:
+                e.add_request(f"r{i}", ids, SamplingParams(max_new_tokens=n, ignore_eos=True, **kw))
+                out[f"r{i}"] = []
+        while e.has_unfinished_requests():
+            for o in e.step()[0]:
+                out[o.request_id] += o.token_ids
+            steps += 1
+            if steps == 5 and only is None:  # a late arrival changes the batch
+                e.add_request("late", prompts[0], SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.0,
+                                                                 seed=3))
+                out["late"] = []
+            if steps == 11 and only is None:
+                assert e.abort("r3")
+        return out
+
+    got = run(engines[0])
+    assert got == run(engines[1])
+    assert graphs.num_ahead_taken == graphs.num_steps - 2 and graphs.num_steps > 12
+    assert run(engines[2], only=0)["r0"] == got["r0"]  # seeded: alone as in the batch
+    assert len({tuple(t) for t in got.values()}) == len(got)  # sampled rows differ from each other
+
+
 def test_displaced_request_ends_with_busy_and_frees_nothing_it_never_held(tiny_dir):
     from o3edge.engine.sequence import Priority
     from o3edge.policy import Policy

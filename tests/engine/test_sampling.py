@@ -51,3 +51,40 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     gens = [make_generator(q, torch.device("cpu"), 0) for q in batch]
     logits = torch.stack([LOGITS.flip(0), LOGITS])
     assert sample(logits, batch, gens)[0] == len(LOGITS) - 1
+
+
+def _counter_draws(params: SamplingParams, n: int, counter: int = 5) -> torch.Tensor:
+    """n tokens for LOGITS by counter_sample (the graph step's draw), seeds 0..n-1 as n rows of one call."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from o3edge.engine.sampling import counter_sample, counter_settings
+
+    logits = LOGITS.repeat(n, 1)
+    cfg = torch.tensor(counter_settings([params] * n, len(LOGITS)), dtype=torch.float32)
+    return counter_sample(logits, logits.argmax(-1), cfg, torch.arange(n), torch.full((n,), counter))
+
+
+def test_counter_draws_follow_the_same_filtered_distribution():
+    """The graph step's draw (counter noise, kernels/noise.py) samples what `sample` samples: the temperature
+    softmax, and never a token top-k or top-p filters out; greedy rows keep their argmax."""
+    got = torch.bincount(_counter_draws(SamplingParams(temperature=0.7), 1500), minlength=len(LOGITS)).float() / 1500
+    assert (got - torch.softmax(LOGITS / 0.7, dim=-1)).abs().max() < 0.05  # about 4 standard errors
+    assert set(_counter_draws(SamplingParams(temperature=1.0, top_k=3), 200).tolist()) == {0, 1, 2}
+    kept = (filtered_probs(LOGITS[None], [SamplingParams(temperature=1.0, top_p=0.6)])[0] > 0).nonzero().flatten()
+    assert set(_counter_draws(SamplingParams(temperature=1.0, top_p=0.6), 200).tolist()) <= set(kept.tolist())
+    assert set(_counter_draws(SamplingParams(temperature=0.0), 20).tolist()) == {0}
+
+
+def test_counter_noise_depends_on_seed_and_counter_alone():
+    """A row's noise is the same whatever row of whatever batch it is in, and changes with its counter."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from o3edge.engine.kernels.noise import exponential_noise
+
+    V = 3000
+    one = exponential_noise(torch.tensor([11]), torch.tensor([40]), V)
+    batch = exponential_noise(torch.tensor([5, 11, 11]), torch.tensor([40, 41, 40]), V)
+    assert torch.equal(batch[2], one[0]) and not torch.equal(batch[1], one[0]) and not torch.equal(batch[0], one[0])
+    assert bool((one >= 0).all()) and bool(torch.isfinite(one).all()) and abs(one.mean().item() - 1.0) < 0.1
