@@ -26,6 +26,7 @@ import torch
 from o3edge.engine.decode_step import decode_forward
 from o3edge.engine.kernels import num_sms
 from o3edge.engine.sampling import counter_sample, counter_settings
+from o3edge.engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +144,9 @@ class DecodeGraphs:
         self.vocab = runner.args.vocab_size
         self.samp = torch.zeros(B, 4, dtype=torch.float32, device=dev)
         self.samp_host = [torch.zeros(B, 4, dtype=torch.float32, pin_memory=pinned) for _ in range(2)]
+        self.greedy_row = torch.tensor(counter_settings([SamplingParams()], self.vocab)[0])  # padding rows
         for h in self.samp_host:  # greedy rows until filled (a capture's warm-up reads them)
-            h[:] = torch.tensor([1.0, self.vocab - 1, 2.0, 1.0])
+            h[:] = self.greedy_row
         self.seeds = torch.zeros(B, dtype=torch.long, device=dev)
         self.seeds_host = [torch.zeros(B, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
 
@@ -249,7 +251,7 @@ class DecodeGraphs:
         """Host buffer `parity`'s sampling settings and seeds for batch (padding rows greedy)."""
         n, samp = len(batch), self.samp_host[parity]
         samp[:n] = torch.tensor(counter_settings([seq.params for seq, _ in batch], self.vocab))
-        samp[n:B] = torch.tensor([1.0, self.vocab - 1, 2.0, 1.0])
+        samp[n:B] = self.greedy_row
         self.seeds_host[parity][:n] = torch.tensor([self.runner.seed_of(seq) for seq, _ in batch])
 
     def _continues(self, batch) -> bool:

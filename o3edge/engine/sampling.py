@@ -4,7 +4,9 @@ Every row is filtered and sampled with batched tensor operations and the batch's
 in one copy, so a step of sampled requests costs a few kernels, not a few per row. A row draws its
 randomness from its request's own generator (exponential noise over the vocabulary, then the
 "exponential race": argmax of p / E is a draw from p), so its tokens depend only on its seed, never on
-what else is in the batch.
+what else is in the batch. With graph sampling (cuda_graph.py, O3EDGE_GRAPH_SAMPLING=1) a CUDA engine draws
+by counter_sample instead, on every path: the noise a function of the request's seed and the row's
+position (kernels/noise.py), the filter of fixed shapes, so that a CUDA graph can hold it.
 """
 
 from __future__ import annotations

@@ -350,7 +350,7 @@ def test_sampled_rows_drawn_in_the_graph_step_launch_ahead_and_match_every_other
 
     def run(model, only=None):
         e, out, steps = model.engine, {}, 0
-        for i, (ids, n, kw) in enumerate(zip(prompts, (20, 9, 14, 30), kinds)):
+        for i, (ids, n, kw) in enumerate(zip(prompts, (14, 6, 10, 18), kinds)):
             if only is None or i == only:
                 e.add_request(f"r{i}", ids, SamplingParams(max_new_tokens=n, ignore_eos=True, **kw))
                 out[f"r{i}"] = []
@@ -362,13 +362,13 @@ def test_sampled_rows_drawn_in_the_graph_step_launch_ahead_and_match_every_other
                 e.add_request("late", prompts[0], SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.0,
                                                                  seed=3))
                 out["late"] = []
-            if steps == 11 and only is None:
+            if steps == 9 and only is None:
                 assert e.abort("r3")
         return out
 
     got = run(engines[0])
     assert got == run(engines[1])
-    assert graphs.num_ahead_taken == graphs.num_steps - 2 and graphs.num_steps > 12
+    assert graphs.num_ahead_taken == graphs.num_steps - 2 and graphs.num_steps >= 12
     assert run(engines[2], only=0)["r0"] == got["r0"]  # seeded: alone as in the batch
     assert len({tuple(t) for t in got.values()}) == len(got)  # sampled rows differ from each other
 

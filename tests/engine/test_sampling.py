@@ -68,11 +68,11 @@ def _counter_draws(params: SamplingParams, n: int, counter: int = 5) -> torch.Te
 def test_counter_draws_follow_the_same_filtered_distribution():
     """The graph step's draw (counter noise, kernels/noise.py) samples what `sample` samples: the temperature
     softmax, and never a token top-k or top-p filters out; greedy rows keep their argmax."""
-    got = torch.bincount(_counter_draws(SamplingParams(temperature=0.7), 1500), minlength=len(LOGITS)).float() / 1500
-    assert (got - torch.softmax(LOGITS / 0.7, dim=-1)).abs().max() < 0.05  # about 4 standard errors
-    assert set(_counter_draws(SamplingParams(temperature=1.0, top_k=3), 200).tolist()) == {0, 1, 2}
+    got = torch.bincount(_counter_draws(SamplingParams(temperature=0.7), 800), minlength=len(LOGITS)).float() / 800
+    assert (got - torch.softmax(LOGITS / 0.7, dim=-1)).abs().max() < 0.07  # about 4 standard errors
+    assert set(_counter_draws(SamplingParams(temperature=1.0, top_k=3), 120).tolist()) == {0, 1, 2}
     kept = (filtered_probs(LOGITS[None], [SamplingParams(temperature=1.0, top_p=0.6)])[0] > 0).nonzero().flatten()
-    assert set(_counter_draws(SamplingParams(temperature=1.0, top_p=0.6), 200).tolist()) <= set(kept.tolist())
+    assert set(_counter_draws(SamplingParams(temperature=1.0, top_p=0.6), 120).tolist()) <= set(kept.tolist())
     assert set(_counter_draws(SamplingParams(temperature=0.0), 20).tolist()) == {0}
 
 
