@@ -73,21 +73,24 @@ class Step:
             from o3edge.engine.kernels.gemv import skinny_matmul
 
             return skinny_matmul(x, norm_weight=norm_weight, residual=residual, eps=self.eps, **_weights(mod))
+        y, residual = self._add_norm(x, residual, norm_weight)
+        return _apply(mod, y), residual
+
+    def _add_norm(self, x, residual, norm_weight):
+        """(RMSNorm(x + residual) * norm_weight by its own kernel, the new residual stream)."""
         from o3edge.engine.kernels.norm import add_rmsnorm
 
         y = add_rmsnorm(x, residual, norm_weight, self.eps)  # updates residual in place
-        return _apply(mod, y), (x if residual is None else residual)
+        return y, (x if residual is None else residual)
 
     def mlp(self, x, residual, norm_weight, mlp):
         """(down(SiLU(gate) * up) of the gate/up projection of RMSNorm(x + residual) * norm_weight, the new
         residual stream)."""
         if self.fused and silu_epilogue(mlp.gate_up, self.rows):
             from o3edge.engine.kernels.gemv import skinny_matmul
-            from o3edge.engine.kernels.norm import add_rmsnorm
 
-            y = add_rmsnorm(x, residual, norm_weight, self.eps)  # updates residual in place
-            h = skinny_matmul(y, silu_out=True, **_weights(mlp.gate_up))
-            return _apply(mlp.down, h), (x if residual is None else residual)
+            y, residual = self._add_norm(x, residual, norm_weight)
+            return _apply(mlp.down, skinny_matmul(y, silu_out=True, **_weights(mlp.gate_up))), residual
         gate_up, residual = self.norm_linear(x, residual, norm_weight, mlp.gate_up)
         return self.silu_linear(gate_up, mlp.down), residual
 

@@ -173,19 +173,13 @@ class ModelRunner:
         """pick_tokens with the graph's draw (sampling.counter_sample, the counter the position of each row's
         last input token), so that with graph sampling a sampled token is the same on every path: a graph
         step, a step with a prompt in it, a batch past the largest bucket."""
-        done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
-        tokens: list[int | None] = [None] * len(batch)
-        if not done:
-            return tokens
-        seqs = [batch[i][0] for i in done]
-        rows = logits if len(done) == len(batch) else logits[done]
+        return pick_tokens(batch, logits, lambda seq: seq, self._counter_rows)  # a row's "generator": its sequence
+
+    def _counter_rows(self, rows: torch.Tensor, params: list, seqs: list[Sequence]) -> list[int]:
         dev = rows.device
-        cfg = torch.tensor(counter_settings([s.params for s in seqs], rows.shape[1]), dtype=torch.float32)
+        cfg = torch.tensor(counter_settings(params, rows.shape[1]), dtype=torch.float32)
         ints = torch.tensor([[self.seed_of(s), len(s) - 1] for s in seqs], dtype=torch.long).to(dev)
-        picked = counter_sample(rows, rows.argmax(dim=-1), cfg.to(dev), ints[:, 0], ints[:, 1]).tolist()
-        for i, tok in zip(done, picked):
-            tokens[i] = tok
-        return tokens
+        return counter_sample(rows, rows.argmax(dim=-1), cfg.to(dev), ints[:, 0], ints[:, 1]).tolist()
 
     def _generator(self, seq: Sequence):
         if seq.seq_id not in self.generators:

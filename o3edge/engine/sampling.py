@@ -104,6 +104,7 @@ def counter_sample(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor
     return torch.where(cfg[:, GREEDY] > 0, greedy, drawn)
 
 
-def pick_tokens(batch, logits: torch.Tensor, generator_for) -> list[int | None]:
-    """A token for each (sequence, new tokens) row whose prompt this step finishes (None elsewhere)."""
-    return sampling_np.pick_tokens(batch, logits, generator_for, sample)
+def pick_tokens(batch, logits: torch.Tensor, generator_for, sample_rows=sample) -> list[int | None]:
+    """A token for each (sequence, new tokens) row whose prompt this step finishes (None elsewhere);
+    sample_rows(those rows' logits, their params, generator_for of their sequences) picks them."""
+    return sampling_np.pick_tokens(batch, logits, generator_for, sample_rows)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from o3edge.engine.kernels import INTERPRET, pdl
+from o3edge.engine.kernels.activation import silu_mul_rounded
 from o3edge.engine.kernels.arrival import arrival_counters, last_arrival
 
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
@@ -45,10 +46,9 @@ def _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kk, K, stride_x, rstd, PRO: 
         y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
         w = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         x = (w[None, :] * y).to(dtype)
-    if PRO == 2:  # SILU: silu(gate) rounded, times up, rounded; gate is columns [0, K), up [K, 2K)
-        g = x.to(tl.float32)
-        u = tl.load(x_ptr + rm[:, None] * stride_x + K + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = ((g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u).to(dtype)
+    if PRO == 2:  # SILU: gate is columns [0, K), up [K, 2K)
+        x = silu_mul_rounded(x, tl.load(x_ptr + rm[:, None] * stride_x + K + kk[None, :], mask=mask, other=0.0),
+                             dtype)
     return x
 
 
@@ -424,11 +424,10 @@ def _store_out(acc, out_ptr, rm, m_mask, rn, n_mask, pid_n, N, stride_out, BLOCK
     dtype = out_ptr.dtype.element_ty
     if SILU_OUT:
         HALF: tl.constexpr = BLOCK_N // 2
-        pair = tl.permute(tl.reshape(acc.to(dtype).to(tl.float32), [acc.shape[0], 2, HALF]), (0, 2, 1))
-        gate, up = tl.split(pair)
+        gate, up = tl.split(tl.permute(tl.reshape(acc.to(dtype), [acc.shape[0], 2, HALF]), (0, 2, 1)))
         col = pid_n * HALF + tl.arange(0, HALF)
-        out = ((gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up).to(dtype)
-        tl.store(out_ptr + rm[:, None] * stride_out + col[None, :], out, mask=m_mask[:, None] & (col < N // 2)[None, :])
+        tl.store(out_ptr + rm[:, None] * stride_out + col[None, :], silu_mul_rounded(gate, up, dtype),
+                 mask=m_mask[:, None] & (col < N // 2)[None, :])
     else:
         tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], acc.to(dtype),
                  mask=m_mask[:, None] & n_mask[None, :])
@@ -770,7 +769,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     pro = PRO_NORM if norm_weight is not None else PRO_SILU if silu else PRO_NONE
     res_out = torch.empty_like(x) if pro == PRO_NORM and residual is not None else None
     on = pdl.enabled(str(x.device))
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    out = torch.empty(M, N // 2 if silu_out else N, device=x.device, dtype=x.dtype)
     if per_sm:  # row blocks streamed on a few programs per SM
         blocks = triton.cdiv(N, block_n)
         programs = min(blocks, sms * per_sm)
@@ -800,8 +799,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         return out
     k_per_split = -(-K // (splits * block_k)) * block_k
     iters = k_per_split // block_k
-    if silu_out:
-        out = torch.empty(M, N // 2, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(N // 2, block_n // 2) if silu_out else triton.cdiv(N, block_n), splits)
     part = out if splits == 1 else torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
     count = out if splits == 1 else arrival_counters(x.device, grid[0])
