@@ -3,7 +3,7 @@
 
 Every figure is a whole generation timed from outside the engine: B distinct random 128-token
 prompts (a new set for every generation, so prefix reuse never helps), 128 new greedy tokens each
-(--sampled: also sampled ones, temperature 0.7, top-p 0.9, top-k 40, seeded).
+(--sampled: also sampled ones, seeded: T 1.0; T 0.7, top-p 0.9, top-k 40; T 0.7, top-p 0.9).
   decode tok/s = B * 127 / (end of generation - the moment the last first token arrived)
   TTFT         = one 128-token prompt alone, request in to first token out
   tokens/J     = generated tokens / NVML board energy over repeated whole generations (>= 3 s)
@@ -64,9 +64,11 @@ class Prompts:
         return torch.randint(100, min(self.vocab, 30000), (n, PROMPT_LEN), generator=g).tolist()
 
 
-# --sampled: what a chat client sends (the HTTP door's default is temperature 1.0)
-SAMPLED = dict(temperature=0.7, top_p=0.9, top_k=40)
-SAMPLED_NAME = "o3edge sampled (T 0.7, top-p 0.9, top-k 40)"
+# --sampled: what chat clients send: the HTTP door's default (temperature 1.0, no filter), a common chat setting
+# with top-k (the 64 largest logits suffice: no sort), and top-p alone (a sort of the whole vocabulary)
+SAMPLED = {"o3edge sampled (T 1.0)": dict(temperature=1.0),
+           "o3edge sampled (T 0.7, top-p 0.9, top-k 40)": dict(temperature=0.7, top_p=0.9, top_k=40),
+           "o3edge sampled (T 0.7, top-p 0.9)": dict(temperature=0.7, top_p=0.9)}
 
 
 def generation(model: O3Model, prompts: list[list[int]], sampling: dict | None = None) -> dict:
@@ -227,7 +229,8 @@ def main():
     ap.add_argument("--int4-all", action="store_true", help="also run o3edge with every linear in INT4")
     ap.add_argument("--int4-head", action="store_true", help="also run o3edge with INT4 FFN and LM head")
     ap.add_argument("--sampled", action="store_true",
-                    help="also run o3edge with sampled requests (temperature 0.7, top-p 0.9, top-k 40, seeded)")
+                    help="also run o3edge with sampled requests (seeded): T 1.0; T 0.7, top-p 0.9, top-k 40; "
+                         "T 0.7, top-p 0.9")
     ap.add_argument("--model", help="existing checkpoint dir (default: make one with random weights)")
     ap.add_argument("--llamacpp", help="BENCH_LOG[,ENERGY_LOG] of .peer/run.sh from this same call")
     ap.add_argument("--reuse", help="o3edge figures from an earlier --json of this run (skip re-measuring)")
@@ -269,9 +272,9 @@ def measure(a, batches) -> dict:
     if a.int4:
         r["systems"]["o3edge INT4-FFN"] = bench_o3(path, a.dtype, batches, energy, int4=True)
         print("o3edge INT4-FFN", json.dumps(r["systems"]["o3edge INT4-FFN"]), flush=True)
-    if a.sampled:
-        r["systems"][SAMPLED_NAME] = bench_o3(path, a.dtype, batches, energy, sampling=SAMPLED)
-        print(SAMPLED_NAME, json.dumps(r["systems"][SAMPLED_NAME]), flush=True)
+    for name, sampling in SAMPLED.items() if a.sampled else ():
+        r["systems"][name] = bench_o3(path, a.dtype, batches, energy, sampling=sampling)
+        print(name, json.dumps(r["systems"][name]), flush=True)
     if a.int4_head:
         r["systems"][HEAD] = bench_o3(path, a.dtype, batches, energy, int4=True, int4_head=True)
         print(HEAD, json.dumps(r["systems"][HEAD]), flush=True)

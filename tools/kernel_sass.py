@@ -10,6 +10,7 @@ of one kernel, not kernels with each other.
 
   python tools/kernel_sass.py gemv --rows 8 --n 11264 --k 2048 [--env O3EDGE_INT4_ASM=0]
   python tools/kernel_sass.py router --mode int8 [--env O3EDGE_ROUTER_FAST=1]
+  python tools/kernel_sass.py sampling --n 32000 --batch 8
 """
 
 from __future__ import annotations
@@ -106,9 +107,42 @@ def router(a) -> list:
     return compiled(qa._router_decode_kernel)
 
 
+def sampling(a) -> list:
+    """The graph step's draw (kernels/counter_draw.py) for a batch of --batch rows over a vocabulary of --n,
+    every way (RACE, TOPK, SORT): its kernels' launches do nothing here, so that each is compiled."""
+    from o3edge.engine.kernels import counter_draw as cd
+    from o3edge.engine.sampling import counter_settings
+    from o3edge.engine.sequence import SamplingParams
+
+    class Compiles:  # kernel[grid](...) compiles, and the failed launch is passed over
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                try:
+                    self.fn[grid](*args, **kwargs)
+                except Exception as e:
+                    if "CompilationError" in type(e).__name__:
+                        print(f"compile failed: {e}", file=sys.stderr)
+            return launch
+
+    fns = [cd._race_kernel, cd._block_top_kernel, cd._topk_draw_kernel, cd._filtered_kernel, cd._pick_kernel]
+    for fn in fns:
+        setattr(cd, fn.__name__, Compiles(fn))
+    kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=40), SamplingParams(top_p=0.9,
+                                                                                                       temperature=1)]
+    cfg = torch.tensor(counter_settings((kinds * a.batch)[:a.batch], a.n), dtype=torch.float32)
+    logits = torch.randn(a.batch, a.n)
+    cd.draw(logits, logits.argmax(-1), cfg, torch.arange(a.batch), torch.arange(a.batch))
+    for fn in fns:
+        setattr(cd, fn.__name__, fn)
+    return compiled(*fns)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("gemv", "router"))
+    ap.add_argument("what", choices=("gemv", "router", "sampling"))
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE set before compiling (repeatable)")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--rows", type=int, default=8)
@@ -128,7 +162,7 @@ def main() -> None:
         name, _, value = kv.partition("=")
         os.environ[name] = value
     driver.set_active(Sm90())
-    for name, kernel in (gemv(a) if a.what == "gemv" else router(a)):
+    for name, kernel in {"gemv": gemv, "router": router, "sampling": sampling}[a.what](a):
         r = report(kernel, name)
         print(f"{r['kernel']}: {r['registers']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, "
               f"{r['instructions']} instructions; loads {r['loads']}")

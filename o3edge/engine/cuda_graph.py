@@ -25,7 +25,7 @@ import torch
 
 from o3edge.engine.decode_step import decode_forward
 from o3edge.engine.kernels import num_sms
-from o3edge.engine.sampling import counter_sample, counter_settings
+from o3edge.engine.sampling import METHOD, SORT, counter_sample, counter_settings
 from o3edge.engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -138,13 +138,16 @@ class DecodeGraphs:
         self.memo: dict[int, tuple] = {}  # seq_id -> (its table entries, what fill_meta made of them: cached)
         self.num_steps = self.num_ahead_taken = 0
         # sampled rows drawn inside the graph (sampling.counter_sample), steps with any such row replaying a
-        # second graph a bucket and parity, launched ahead like greedy ones: O3EDGE_GRAPH_SAMPLING=1, off by
-        # default until measured on a GPU. Their settings come in beside the metadata, from two host buffers.
-        self.sampling = os.environ.get("O3EDGE_GRAPH_SAMPLING") == "1"
+        # graph of their own a bucket and parity (two: with a sort of the whole vocabulary for rows whose top-p
+        # needs it, and without), launched ahead like greedy ones (O3EDGE_GRAPH_SAMPLING=0: sampled after the
+        # graph, never launched ahead). Their settings come in beside the metadata, from two host buffers.
+        self.sampling = os.environ.get("O3EDGE_GRAPH_SAMPLING", "1") != "0" and (
+            dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")  # Triton kernels (uncaptured on a CPU)
         self.vocab = runner.args.vocab_size
-        self.samp = torch.zeros(B, 4, dtype=torch.float32, device=dev)
-        self.samp_host = [torch.zeros(B, 4, dtype=torch.float32, pin_memory=pinned) for _ in range(2)]
         self.greedy_row = torch.tensor(counter_settings([SamplingParams()], self.vocab)[0])  # padding rows
+        width = len(self.greedy_row)
+        self.samp = torch.zeros(B, width, dtype=torch.float32, device=dev)
+        self.samp_host = [torch.zeros(B, width, dtype=torch.float32, pin_memory=pinned) for _ in range(2)]
         for h in self.samp_host:  # greedy rows until filled (a capture's warm-up reads them)
             h[:] = self.greedy_row
         self.seeds = torch.zeros(B, dtype=torch.long, device=dev)
@@ -168,12 +171,12 @@ class DecodeGraphs:
         (observe: the token router's observing step, router_graph.py.)"""
         B, parity, sampled = key[0], key[1], len(key) > 2
         self.meta[:B].copy_(self.meta_host[parity][:B], non_blocking=True)
-        if sampled:  # (B, parity, 1): the rows' sampling settings and seeds too
+        if sampled:  # (B, parity, 1 or 2): the rows' sampling settings and seeds too
             self.samp[:B].copy_(self.samp_host[parity][:B], non_blocking=True)
             self.seeds[:B].copy_(self.seeds_host[parity][:B], non_blocking=True)
         logits, tokens = self._decode(B, observe)
         if sampled:  # the counter: each row's position (its draw is the same on every path: runner.py)
-            tokens = counter_sample(logits, tokens, self.samp[:B], self.seeds[:B], self.meta[:B, 1])
+            tokens = counter_sample(logits, tokens, self.samp[:B], self.seeds[:B], self.meta[:B, 1], sort=key[2] == 2)
             self.last[:B].copy_(tokens)  # a launched-ahead step's input tokens
         self.tokens_hosts[parity][:B].copy_(tokens, non_blocking=True)
         return logits, tokens
@@ -186,9 +189,9 @@ class DecodeGraphs:
 
     def graph_keys(self) -> list[tuple[int, int]]:
         """(bucket, parity): a graph per batch bucket and host buffer; with graph sampling also (bucket,
-        parity, 1), the step that samples."""
+        parity, 1), the step that samples, and (bucket, parity, 2), the one that sorts for it too."""
         keys = [(b, parity) for b in self.batch_buckets for parity in (0, 1)]
-        return keys + [(*k, 1) for k in keys] if self.sampling else keys
+        return keys + [(*k, s) for s in (1, 2) for k in keys] if self.sampling else keys
 
     def capture_all(self) -> None:
         """Capture the graphs (thread-local capture errors: the pinned-memory allocator queries its events
@@ -208,8 +211,7 @@ class DecodeGraphs:
             meta[:len(batch), 0] = -1 - np.asarray(rows, dtype=np.int32)
         key = (B, parity)
         if self.sampling and not all(seq.params.greedy for seq, _ in batch):
-            self._fill_sampling(parity, batch, B)
-            key = (B, parity, 1)
+            key = (B, parity, self._fill_sampling(parity, batch, B))
         logits, _ = self._step(key)
         if self.copied[parity] is not None:
             self.copied[parity].record()
@@ -247,17 +249,21 @@ class DecodeGraphs:
             meta[b, 3:3 + len(table)] = self.cached(seq.seq_id, list(table), _int32)
         meta[len(batch):B, :3] = (0, 0, self.runner.scratch_slot)  # padding rows: scratch slot, self only
 
-    def _fill_sampling(self, parity: int, batch, B: int) -> None:
-        """Host buffer `parity`'s sampling settings and seeds for batch (padding rows greedy)."""
+    def _fill_sampling(self, parity: int, batch, B: int) -> int:
+        """Host buffer `parity`'s sampling settings and seeds for batch (padding rows greedy); the sampling
+        graph the step takes: 2 where a row draws over the sorted vocabulary, else 1."""
         n, samp = len(batch), self.samp_host[parity]
-        samp[:n] = torch.tensor(counter_settings([seq.params for seq, _ in batch], self.vocab))
+        rows = counter_settings([seq.params for seq, _ in batch], self.vocab)
+        samp[:n] = torch.tensor(rows)
         samp[n:B] = self.greedy_row
         self.seeds_host[parity][:n] = torch.tensor([self.runner.seed_of(seq) for seq, _ in batch])
+        return 2 if any(row[METHOD] == SORT for row in rows) else 1
 
     def _continues(self, batch) -> bool:
-        """Whether a step for this batch one token on may be queued: every sequence is greedy, still
-        within the model's length and holds a block for its next position, and some sequence goes on
-        past this step (a row of one that ends here is computed and left unused). A sequence about to
+        """Whether a step for this batch one token on may be queued: every sequence is greedy (or drawn in the
+        graph, with graph sampling), still within the model's length and holds a block for its next position,
+        and some sequence goes on past this step (a row of one that ends here is computed and left unused). A
+        sequence about to
         start a block is given it now (runner.reserve_block): sequences that started at different times
         cross block boundaries at different steps, and without it 16 of them in 32-token blocks left
         half the steps unqueued (tools/probe_launch_ahead.py)."""

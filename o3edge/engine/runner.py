@@ -149,7 +149,7 @@ class ModelRunner:
                 ready()
                 logits = forward(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy (None: overwritten)
-        if picked is None and self.graphs is not None and self.graphs.sampling:
+        if picked is None and not greedy_only and self.graphs is not None and self.graphs.sampling:
             return self._counter_pick(batch, logits)
         if picked is None:
             return pick_tokens(batch, logits, self._generator)

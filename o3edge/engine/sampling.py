@@ -4,9 +4,10 @@ Every row is filtered and sampled with batched tensor operations and the batch's
 in one copy, so a step of sampled requests costs a few kernels, not a few per row. A row draws its
 randomness from its request's own generator (exponential noise over the vocabulary, then the
 "exponential race": argmax of p / E is a draw from p), so its tokens depend only on its seed, never on
-what else is in the batch. With graph sampling (cuda_graph.py, O3EDGE_GRAPH_SAMPLING=1) a CUDA engine draws
-by counter_sample instead, on every path: the noise a function of the request's seed and the row's
-position (kernels/noise.py), the filter of fixed shapes, so that a CUDA graph can hold it.
+what else is in the batch. With graph sampling (cuda_graph.py: a CUDA engine's default, O3EDGE_GRAPH_SAMPLING=0
+turns it off) a CUDA engine draws by counter_sample instead, on every path: the noise a function of the
+request's seed and the row's position (kernels/noise.py), the filter of fixed shapes, so that a CUDA graph
+can hold it.
 """
 
 from __future__ import annotations
@@ -74,34 +75,39 @@ def _filtered(logits: torch.Tensor, cfg: torch.Tensor, kmax: int, top_p: bool) -
 
 
 # counter sampling (DecodeGraphs with graph sampling): a row's settings as float32 columns
-TEMPERATURE, KTH, TOP_P, GREEDY = range(4)
+TEMPERATURE, KTH, TOP_P, GREEDY, METHOD = range(5)
+# how counter_sample draws a row, chosen by the row's own settings (never by the batch): over the whole
+# vocabulary with no filter (RACE), over the TOP_K_CAP largest logits (a top-k of at most that many, with or
+# without top-p), or over the whole sorted vocabulary (SORT: top-p alone, or a larger top-k)
+RACE, TOPK, SORT = range(3)
+TOP_K_CAP = 64
 
 
 def counter_settings(params: list[SamplingParams], V: int) -> list[list[float]]:
     """counter_sample's settings rows: temperature (1 when greedy), the index of the k-th largest logit
-    (V - 1 without top-k), top_p (2: none, so that rounding never drops a token), greedy or not."""
-    return [[p.temperature if not p.greedy else 1.0, (p.top_k if 0 < p.top_k < V else V) - 1,
-             p.top_p if p.top_p < 1.0 else 2.0, float(p.greedy)] for p in params]
+    (V - 1 without top-k), top_p (2: none, so that rounding never drops a token), greedy or not, method."""
+    rows = []
+    for p in params:
+        k = p.top_k if 0 < p.top_k < V else V
+        method = RACE if k == V and p.top_p >= 1.0 else TOPK if k <= min(TOP_K_CAP, V) else SORT
+        rows.append([p.temperature if not p.greedy else 1.0, k - 1, p.top_p if p.top_p < 1.0 else 2.0,
+                     float(p.greedy), float(method)])
+    return rows
 
 
 def counter_sample(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor, seeds: torch.Tensor,
-                   counters: torch.Tensor) -> torch.Tensor:
+                   counters: torch.Tensor, topk: bool = True, sort: bool = True) -> torch.Tensor:
     """Tokens [B] (int64) for logits [B, V] float32, with fixed shapes and no host sync, so a CUDA graph can
     hold it: greedy rows keep `greedy` (their argmax), sampled rows draw from the same distribution as
-    `sample` (temperature, then top-k, then top-p over the sorted probabilities) by the exponential race
-    with counter noise (kernels/noise.py): row r's draw depends only on (seeds[r], counters[r]) and its
-    logits. cfg: float32 [B, 4] (counter_settings); seeds int64 [B]; counters [B] (a sequence's position)."""
-    from o3edge.engine.kernels.noise import exponential_noise
+    `sample` (temperature, then top-k, then top-p over the sorted probabilities) by the exponential race in
+    its Gumbel-max form with counter noise (kernels/noise.py): row r's draw depends only on (seeds[r],
+    counters[r]), its settings and its logits. A row's METHOD says which of three ways computes it (one
+    pass with no filter, the TOP_K_CAP largest logits, a sort of the whole row: kernels/counter_draw.py);
+    topk=False or sort=False leaves that way out, for batches with no such row. cfg: float32 [B, 5]
+    (counter_settings); seeds int64 [B]; counters [B] (a sequence's position)."""
+    from o3edge.engine.kernels.counter_draw import draw
 
-    V = logits.shape[1]
-    x = logits / cfg[:, TEMPERATURE:TEMPERATURE + 1]
-    sx, order = torch.sort(x, dim=-1, descending=True)
-    kth = sx.gather(1, cfg[:, KTH:KTH + 1].long())
-    p = torch.softmax(sx.masked_fill(sx < kth, float("-inf")), dim=-1)  # sorted: top-k kept, ties too
-    p = p.masked_fill(p.cumsum(-1) - p >= cfg[:, TOP_P:TOP_P + 1], 0.0)  # the first always stays
-    noise = exponential_noise(seeds, counters, V).gather(1, order)
-    drawn = order.gather(1, (p / noise).argmax(dim=-1, keepdim=True))[:, 0]
-    return torch.where(cfg[:, GREEDY] > 0, greedy, drawn)
+    return draw(logits, greedy, cfg, seeds, counters, topk, sort)
 
 
 def pick_tokens(batch, logits: torch.Tensor, generator_for, sample_rows=sample) -> list[int | None]:

@@ -1,0 +1,184 @@
+"""The graph step's draw of sampled tokens (sampling.counter_sample) in a few kernels.
+
+A sampled token is argmax(x / T + G) over the tokens a request's filters keep (x its logits, G the counter
+Gumbel noise of kernels/noise.py). A row is drawn one of three ways, by its own settings (sampling.py, METHOD):
+- RACE, no filter: one pass over the vocabulary, each block's best, then the best of those (_race_kernel);
+- TOPK, a top-k within TOP_K_CAP: over torch.topk's largest logits (_filtered_kernel); or, with
+  O3EDGE_TRITON_TOPK=1 (not yet measured on a GPU, so off), over each block's largest by Triton's bitonic
+  top-k (_block_top_kernel), then the largest of those (_topk_draw_kernel): on the H200 torch.topk took
+  ~48-63 µs a step at batch 1-32 (tools/bench_sampling.py), more than the rest of the draw;
+- SORT, top-p alone or a larger top-k: over the whole sorted row (_filtered_kernel again).
+_filtered_kernel takes candidates in descending order: top-k keeps those at least the k-th (ties too), top-p
+the first whose mass before them is under top_p (over the probabilities renormalised after top-k), and the
+draw is the best score among them. _pick_kernel then writes each row's token: greedy rows keep their argmax.
+Written as torch operations (~30 kernels) a T 1.0 draw added 102 µs to a batch-1 step on the H200; in these
+kernels 61 (tools/bench_gpu.py --sampled, tinyllama-1.1b fp16), of which torch.topk's part is most.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from o3edge.engine.kernels.noise import _gumbel
+from o3edge.engine.sampling import GREEDY, KTH, METHOD, RACE, SORT, TEMPERATURE, TOP_K_CAP, TOP_P, TOPK
+
+RACE_BLOCK = 1024
+TOP_BLOCK = 2048  # a block of logits whose TOP_K_CAP largest are a TOPK row's candidates
+
+
+@triton.jit
+def _race_kernel(x_ptr, cfg_ptr, seed_ptr, counter_ptr, val_ptr, idx_ptr, V, stride_x, stride_cfg, stride_seed,
+                 stride_counter, BLOCKS, T_COL: tl.constexpr, BLOCK: tl.constexpr):
+    row, blk = tl.program_id(0), tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < V
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    t = tl.load(cfg_ptr + row * stride_cfg + T_COL)
+    score = tl.where(mask, x / t + _gumbel(seed_ptr, counter_ptr, row, stride_seed, stride_counter, offs),
+                     float("-inf"))
+    tl.store(val_ptr + row * BLOCKS + blk, tl.max(score, axis=0))
+    tl.store(idx_ptr + row * BLOCKS + blk, blk * BLOCK + tl.argmax(score, axis=0))
+
+
+@triton.jit
+def _filtered_kernel(v_ptr, ids_ptr, cfg_ptr, seed_ptr, counter_ptr, out_ptr, K: tl.constexpr, stride_v, stride_ids, stride_cfg,
+                     stride_seed, stride_counter, MINE: tl.constexpr, T_COL: tl.constexpr, K_COL: tl.constexpr,
+                     P_COL: tl.constexpr, M_COL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cfg = cfg_ptr + row * stride_cfg
+    if tl.load(cfg + M_COL) == MINE:
+        t, top_p = tl.load(cfg + T_COL), tl.load(cfg + P_COL)
+        v_row, ids_row = v_ptr + row * stride_v, ids_ptr + row * stride_ids
+        top = tl.load(v_row).to(tl.float32) / t
+        kth = tl.load(v_row + tl.minimum(tl.load(cfg + K_COL).to(tl.int32), K - 1)).to(tl.float32) / t
+        total = 0.0  # the softmax's normaliser over what top-k keeps
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            v = tl.load(v_row + offs, mask=offs < K, other=float("-inf")).to(tl.float32) / t
+            total += tl.sum(tl.where(v >= kth, tl.exp(v - top), 0.0), axis=0)
+        before, best, best_id = 0.0, float("-inf"), 0  # mass before this block; the best score so far, its token
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            mask = offs < K
+            v = tl.load(v_row + offs, mask=mask, other=float("-inf")).to(tl.float32) / t
+            p = tl.where(v >= kth, tl.exp(v - top) / total, 0.0)
+            keep = (before + tl.cumsum(p, axis=0) - p < top_p) & (v >= kth) & mask
+            ids = tl.load(ids_row + offs, mask=mask, other=0).to(tl.int32)
+            score = tl.where(keep, v + _gumbel(seed_ptr, counter_ptr, row, stride_seed, stride_counter, ids),
+                             float("-inf"))
+            m = tl.max(score, axis=0)
+            token = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, axis=0), ids, 0), axis=0)
+            best_id = tl.where(m > best, token, best_id)
+            best = tl.maximum(best, m)
+            before += tl.sum(p, axis=0)
+        tl.store(out_ptr + row, best_id.to(tl.int64))
+
+
+@triton.jit
+def _key(x, token):
+    """int64 keys that order (logit, token) pairs by logit, then lower token first: the float's bits made
+    to order as signed integers, above 0x7FFFFFFF - token."""
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - token).to(tl.int64)
+
+
+@triton.jit
+def _unkey(key):
+    """(logit, token) of _key's keys."""
+    ordered = (key >> 32).to(tl.int32)
+    x = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+    return x, 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _block_top_kernel(x_ptr, cfg_ptr, top_ptr, V, stride_x, stride_cfg, BLOCKS, MINE: tl.constexpr,
+                      M_COL: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """The CAP largest logits of one block of a TOPK row, as keys in descending order."""
+    row, blk = tl.program_id(0), tl.program_id(1)
+    if tl.load(cfg_ptr + row * stride_cfg + M_COL) == MINE:
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        tl.store(top_ptr + (row * BLOCKS + blk) * CAP + tl.arange(0, CAP), tl.topk(_key(x, offs), CAP))
+
+
+@triton.jit
+def _topk_draw_kernel(top_ptr, cfg_ptr, seed_ptr, counter_ptr, out_ptr, BLOCKS, stride_cfg, stride_seed,
+                      stride_counter, K: tl.constexpr, MINE: tl.constexpr, T_COL: tl.constexpr, K_COL: tl.constexpr,
+                      P_COL: tl.constexpr, M_COL: tl.constexpr, CAP: tl.constexpr, CANDIDATES: tl.constexpr):
+    """A TOPK row's draw over the CAP largest of its blocks' candidates (K = min(CAP, V) of them real),
+    filtered as _filtered_kernel does."""
+    row = tl.program_id(0)
+    cfg = cfg_ptr + row * stride_cfg
+    if tl.load(cfg + M_COL) == MINE:
+        offs = tl.arange(0, CANDIDATES)
+        keys = tl.load(top_ptr + row * BLOCKS * CAP + offs, mask=offs < BLOCKS * CAP, other=-0x7FFFFFFFFFFFFFFF)
+        x, ids = _unkey(tl.topk(keys, CAP))
+        pos = tl.arange(0, CAP)
+        t, top_p = tl.load(cfg + T_COL), tl.load(cfg + P_COL)
+        v = x / t
+        kth = tl.sum(tl.where(pos == tl.minimum(tl.load(cfg + K_COL).to(tl.int32), K - 1), v, 0.0), axis=0)
+        kept = (pos < K) & (v >= kth)
+        e = tl.where(kept, tl.exp(v - tl.max(tl.where(pos < K, v, float("-inf")), axis=0)), 0.0)
+        p = e / tl.sum(e, axis=0)
+        keep = kept & (tl.cumsum(p, axis=0) - p < top_p)
+        score = tl.where(keep, v + _gumbel(seed_ptr, counter_ptr, row, stride_seed, stride_counter, ids),
+                         float("-inf"))
+        token = tl.sum(tl.where(pos == tl.argmax(score, axis=0), ids, 0), axis=0)
+        tl.store(out_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def _pick_kernel(cfg_ptr, greedy_ptr, val_ptr, idx_ptr, drawn_ptr, out_ptr, stride_cfg, BLOCKS,
+                 G_COL: tl.constexpr, M_COL: tl.constexpr, RACE_ID: tl.constexpr, BLOCKS_P2: tl.constexpr):
+    row = tl.program_id(0)
+    cfg = cfg_ptr + row * stride_cfg
+    offs = tl.arange(0, BLOCKS_P2)
+    val = tl.load(val_ptr + row * BLOCKS + offs, mask=offs < BLOCKS, other=float("-inf"))
+    raced = tl.load(idx_ptr + row * BLOCKS + tl.argmax(val, axis=0)).to(tl.int64)
+    token = tl.where(tl.load(cfg + M_COL) == RACE_ID, raced, tl.load(drawn_ptr + row))
+    token = tl.where(tl.load(cfg + G_COL) > 0, tl.load(greedy_ptr + row).to(tl.int64), token)
+    tl.store(out_ptr + row, token)
+
+
+def draw(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+         topk: bool = True, sort: bool = True) -> torch.Tensor:
+    """sampling.counter_sample's tokens [B] (int64): logits [B, V] (rows strided, columns not), greedy [B] the
+    rows' argmax, cfg float32 [B, 5] (sampling.counter_settings, contiguous rows), seeds and counters [B]
+    (strided views will do); topk=False and sort=False leave TOPK and SORT rows undrawn (no such row in the
+    batch)."""
+    B, V = logits.shape
+    dev = logits.device
+    blocks = triton.cdiv(V, RACE_BLOCK)
+    val = torch.empty(B, blocks, dtype=torch.float32, device=dev)
+    idx = torch.empty(B, blocks, dtype=torch.int32, device=dev)
+    strides = (cfg.stride(0), seeds.stride(0), counters.stride(0))
+    _race_kernel[(B, blocks)](logits, cfg, seeds, counters, val, idx, V, logits.stride(0), *strides, blocks,
+                              T_COL=TEMPERATURE, BLOCK=RACE_BLOCK, num_warps=4)
+    drawn = torch.empty(B, dtype=torch.long, device=dev)
+    cols = dict(T_COL=TEMPERATURE, K_COL=KTH, P_COL=TOP_P, M_COL=METHOD)
+    if topk and os.environ.get("O3EDGE_TRITON_TOPK") == "1":  # each block's TOP_K_CAP largest, then the draw
+        block = max(TOP_K_CAP, min(TOP_BLOCK, triton.next_power_of_2(V)))  # over the largest of those
+        top_blocks = triton.cdiv(V, block)
+        top = torch.empty(B, top_blocks * TOP_K_CAP, dtype=torch.int64, device=dev)
+        _block_top_kernel[(B, top_blocks)](logits, cfg, top, V, logits.stride(0), cfg.stride(0), top_blocks,
+                                           MINE=TOPK, M_COL=METHOD, CAP=TOP_K_CAP, BLOCK=block, num_warps=4)
+        _topk_draw_kernel[(B,)](top, cfg, seeds, counters, drawn, top_blocks, *strides, K=min(TOP_K_CAP, V),
+                                MINE=TOPK, CAP=TOP_K_CAP, CANDIDATES=triton.next_power_of_2(top_blocks * TOP_K_CAP),
+                                num_warps=4, **cols)
+    elif topk:
+        top, ids = torch.topk(logits, min(TOP_K_CAP, V), dim=-1)
+        _filtered_kernel[(B,)](top, ids, cfg, seeds, counters, drawn, top.shape[1], top.stride(0), ids.stride(0),
+                               *strides, MINE=TOPK, BLOCK=triton.next_power_of_2(top.shape[1]), num_warps=2, **cols)
+    if sort:
+        sv, order = torch.sort(logits, dim=-1, descending=True)
+        _filtered_kernel[(B,)](sv, order, cfg, seeds, counters, drawn, V, sv.stride(0), order.stride(0), *strides,
+                               MINE=SORT, BLOCK=2048, num_warps=8, **cols)
+    out = torch.empty(B, dtype=torch.long, device=dev)
+    _pick_kernel[(B,)](cfg, greedy, val, idx, drawn, out, cfg.stride(0), blocks, G_COL=GREEDY, M_COL=METHOD,
+                       RACE_ID=RACE, BLOCKS_P2=triton.next_power_of_2(blocks), num_warps=1)
+    return out

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""What the graph step's draw of sampled tokens costs on the GPU, by method and by part.
+
+Each variant is captured in a CUDA graph, as in the decode step, and replayed; the figure is µs a replay
+(CUDA events over --replays replays, the median of --repeat). Logits are random float32 [B, V]. Variants:
+the whole draw (sampling.counter_sample) for a batch whose rows are all RACE (no filter), all TOPK (top-k 40,
+top-p 0.9) or all SORT (top-p 0.9), with and without the sort; and its parts alone (torch.topk of
+TOP_K_CAP, torch.sort of the row, the greedy argmax every step already has).
+
+  python tools/bench_sampling.py [--batches 1,8,32] [--vocab 32000] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from o3edge.engine.sampling import TOP_K_CAP, counter_sample, counter_settings  # noqa: E402
+from o3edge.engine.sequence import SamplingParams  # noqa: E402
+
+KINDS = {"race (T 1.0)": SamplingParams(temperature=1.0), "topk (T 0.7, top-k 40, top-p 0.9)":
+         SamplingParams(temperature=0.7, top_k=40, top_p=0.9), "sort (T 0.7, top-p 0.9)":
+         SamplingParams(temperature=0.7, top_p=0.9)}
+
+
+def replay_us(fn, replays: int, repeat: int) -> float:
+    """µs a replay of fn captured in a CUDA graph (warmed up first, as capture_graphs does)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / replays)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    out = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "command": " ".join(sys.argv), "vocab": a.vocab, "us": {}}
+    for B in [int(b) for b in a.batches.split(",")]:
+        logits = torch.randn(B, a.vocab, device=dev) * 3
+        greedy = logits.argmax(-1)
+        seeds, counters = torch.arange(B, device=dev), torch.full((B,), 7, device=dev)
+        row = {"greedy argmax": replay_us(lambda: logits.argmax(-1), a.replays, a.repeat),
+               f"torch.topk {TOP_K_CAP}": replay_us(lambda: torch.topk(logits, TOP_K_CAP, dim=-1), a.replays, a.repeat),
+               "torch.sort": replay_us(lambda: torch.sort(logits, dim=-1, descending=True), a.replays, a.repeat)}
+        race = torch.tensor(counter_settings([KINDS["race (T 1.0)"]] * B, a.vocab), dtype=torch.float32, device=dev)
+        row["draw race alone (no topk, no sort)"] = replay_us(
+            lambda: counter_sample(logits, greedy, race, seeds, counters, topk=False, sort=False), a.replays, a.repeat)
+        for name, params in KINDS.items():
+            cfg = torch.tensor(counter_settings([params] * B, a.vocab), dtype=torch.float32, device=dev)
+            for sort in (False, True):
+                if name.startswith("sort") and not sort:
+                    continue
+                fn = (lambda c=cfg, s=sort: counter_sample(logits, greedy, c, seeds, counters, sort=s))
+                row[f"draw {name}{' + sort' if sort else ''}"] = replay_us(fn, a.replays, a.repeat)
+        out["us"][B] = {k: round(v, 2) for k, v in row.items()}
+        print(f"B={B}", json.dumps(out["us"][B]), flush=True)
+    print("\n| part (µs a replay) | " + " | ".join(f"B={b}" for b in out["us"]) + " |")
+    print("|---|" + "---:|" * len(out["us"]))
+    for k in next(iter(out["us"].values())):
+        print(f"| {k} | " + " | ".join(f"{out['us'][b][k]:.1f}" for b in out["us"]) + " |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
