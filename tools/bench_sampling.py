@@ -8,6 +8,10 @@ top-p 0.9) or all SORT (top-p 0.9), with and without the sort; and its parts alo
 TOP_K_CAP, torch.sort of the row, the greedy argmax every step already has).
 
   python tools/bench_sampling.py [--batches 1,8,32] [--vocab 32000] [--json OUT]
+
+--numpy: the native CPU backend's sampler instead (sampling_np.sample, one row, ms a draw; the sampler of
+--against REV beside it, that revision's sampling_np.py read from git):
+  python tools/bench_sampling.py --numpy --vocab 49152 [--against f726b27] [--json OUT]
 """
 
 from __future__ import annotations
@@ -54,6 +58,38 @@ def replay_us(fn, replays: int, repeat: int) -> float:
     return statistics.median(times)
 
 
+def numpy_ms(a) -> dict:
+    """ms a draw of one row of --vocab logits by sampling_np.sample (and --against's), for each kind."""
+    import subprocess
+    import types
+
+    import numpy as np
+
+    from o3edge.engine import sampling_np
+
+    samplers = {"now": sampling_np}
+    if a.against:
+        old = types.ModuleType("sampling_np_old")
+        src = subprocess.run(["git", "show", f"{a.against}:o3edge/engine/sampling_np.py"], capture_output=True,
+                             text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        exec(compile(src.stdout, "sampling_np_old", "exec"), old.__dict__)
+        samplers[a.against] = old
+    logits = (np.random.default_rng(0).standard_normal((1, a.vocab)) * 3).astype(np.float32)
+    out = {}
+    for name, params in KINDS.items():
+        for label, module in samplers.items():
+            rngs = [module.make_rng(params, 1)]
+            times = []
+            for _ in range(a.repeat):
+                t = time.perf_counter()
+                for _ in range(a.replays // 4):
+                    module.sample(logits, [params], rngs)
+                times.append((time.perf_counter() - t) / (a.replays // 4) * 1e3)
+            out[f"{name}, {label}"] = round(statistics.median(times), 3)
+            print(f"{name}, {label}: {out[f'{name}, {label}']} ms", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32")
@@ -61,7 +97,16 @@ def main():
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json")
+    ap.add_argument("--numpy", action="store_true", help="the native CPU backend's sampler (ms a draw)")
+    ap.add_argument("--against", help="--numpy: also the sampler of this git revision")
     a = ap.parse_args()
+    if a.numpy:
+        out = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "vocab": a.vocab,
+               "ms": numpy_ms(a)}
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     dev = torch.device("cuda")
     out = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
            "command": " ".join(sys.argv), "vocab": a.vocab, "us": {}}

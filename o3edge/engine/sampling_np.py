@@ -26,9 +26,36 @@ def sample(logits: np.ndarray, params: list[SamplingParams], rngs: list) -> list
     tokens = logits.argmax(axis=-1).tolist()
     for i, (p, rng) in enumerate(zip(params, rngs)):
         if not p.greedy:
-            probs = filtered_probs(logits[i], p)
-            tokens[i] = int((probs / rng.exponential(size=probs.shape[0])).argmax())
+            ids, probs = kept(logits[i], p)
+            tokens[i] = int(ids[(probs / rng.exponential(size=probs.shape[0])).argmax()])
     return tokens
+
+
+def kept(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, their probabilities up to a common factor): the tokens filtered_probs keeps, found without
+    sorting the vocabulary. Top-k's tokens are those at least the k-th logit; top-p's are a prefix of the
+    stable descending order, looked for among the 64, 512, ... most probable (all tokens as probable as the
+    last of them) until one is left out. Sorting 49,152 probabilities made a top-p draw cost 4.8 ms on this
+    project's 2-core CPU machine, now 0.37 (tools/bench_sampling.py --numpy)."""
+    x = logits.astype(np.float64) / p.temperature
+    V = x.shape[0]
+    ids = np.arange(V)
+    if 0 < p.top_k < V:
+        ids = np.flatnonzero(x >= np.partition(x, V - p.top_k)[V - p.top_k])
+        x = x[ids]
+    probs = np.exp(x - x.max())
+    if p.top_p >= 1.0:
+        return ids, probs
+    probs /= probs.sum()
+    n, m = probs.shape[0], 64
+    while True:
+        sub = np.flatnonzero(probs >= np.partition(probs, n - m)[n - m]) if m < n else np.arange(n)
+        order = sub[np.lexsort((sub, -probs[sub]))]  # as argsort(-probs, kind="stable") orders them
+        ranked = probs[order]
+        keep = np.cumsum(ranked) - ranked < p.top_p
+        if not keep.all() or m >= n:
+            return ids[order[keep]], ranked[keep]
+        m *= 8
 
 
 def filtered_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:

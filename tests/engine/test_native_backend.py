@@ -173,6 +173,26 @@ def test_numpy_sampling_follows_the_request():
     assert top_p[0] > 0 and top_p[1] > 0
 
 
+def test_numpy_sampling_keeps_what_the_sorted_filters_keep():
+    """The sampler finds top-k's and top-p's tokens without sorting the vocabulary (sampling_np.kept): the
+    same tokens, with the same probabilities, as the plain definition (filtered_probs: a stable sort of the
+    whole row), ties and nuclei larger than its first guesses included."""
+    from o3edge.engine.sampling_np import kept
+
+    rs = np.random.default_rng(0)
+    for trial in range(200):
+        V = int(rs.integers(2, 3000))
+        x = (rs.standard_normal(V) * rs.choice([0.1, 1.0, 3.0, 10.0])).astype(np.float32)
+        if trial % 4 == 0:
+            x = np.round(x)  # many ties
+        p = SamplingParams(temperature=float(rs.choice([0.3, 1.0, 1.5])), top_k=int(rs.choice([0, 0, 5, 40, V + 3])),
+                           top_p=float(rs.choice([1.0, 0.9, 0.5, 0.999])))
+        ref = filtered_probs(x, p)
+        ids, probs = kept(x, p)
+        np.testing.assert_array_equal(np.sort(ids), np.flatnonzero(ref > 0))
+        np.testing.assert_allclose(probs / probs.sum(), ref[ids] / ref[ids].sum(), rtol=1e-9)
+
+
 def test_native_tables_match_the_torch_rope(checkpoints):
     import dataclasses
 
