@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""o3edge's side of the CPU peer benchmark: one engine, batch 1, greedy, in its own process.
+"""o3edge's side of the CPU peer benchmark: one engine, batch 1, greedy (or --sampling), in its own process.
 
   python tools/bench_cpu_o3.py ENGINE_OR_CKPT PROMPT.json [--runs 3] [--warmup 1] [--new 128] [--threads 2]
                                [--dtype auto] [--out result.json] [--profile N] [--backend native]
+                               [--sampling temperature=0.7,top_p=0.9,seed=1]
 
 The same definitions as ../shared/peers/cpu/bench_llamacpp.py, timed from outside the engine (the
 caller's loop around `LLMEngine.step`): per run, t0 before `add_request`; TTFT = the first token's
@@ -27,12 +28,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def one_run(engine, prompt: list[int], new: int, rid: str) -> dict:
+def one_run(engine, prompt: list[int], new: int, rid: str, sampling: dict | None = None) -> dict:
     from o3edge.engine.sequence import SamplingParams
 
     stamps, toks = [], []
     t0 = time.perf_counter()
-    engine.add_request(rid, prompt, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    engine.add_request(rid, prompt, SamplingParams(max_new_tokens=new, ignore_eos=True, **(sampling or {})))
     while engine.has_unfinished_requests():
         for out in engine.step()[0]:
             stamps.append(time.perf_counter())
@@ -84,8 +85,11 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="[engine] cpu_compile: the compiled decode step")
     ap.add_argument("--no-native", action="store_true", help="[engine] cpu_native_step = false")
     ap.add_argument("--backend", default="torch", choices=("torch", "native"), help="[engine] backend")
+    ap.add_argument("--sampling", help="sampled requests, e.g. temperature=0.7,top_p=0.9,seed=1 (default greedy)")
     ap.add_argument("--out")
     a = ap.parse_args()
+    sampling = {k: (int(v) if k in ("top_k", "seed") else float(v))
+                for k, v in (kv.split("=") for kv in a.sampling.split(","))} if a.sampling else None
     prompt = json.load(open(a.prompt))
     load0 = os.getloadavg()
     t = time.perf_counter()
@@ -98,8 +102,8 @@ def main() -> None:
     rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     prompts = [prompt[16 * i:] + prompt[:16 * i] for i in range(a.warmup + a.runs)]
     for i in range(a.warmup):
-        one_run(engine, prompts[i], a.new, f"warmup{i}")
-    runs = [one_run(engine, prompts[a.warmup + i], a.new, f"run{i}") for i in range(a.runs)]
+        one_run(engine, prompts[i], a.new, f"warmup{i}", sampling)
+    runs = [one_run(engine, prompts[a.warmup + i], a.new, f"run{i}", sampling) for i in range(a.runs)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     keys = ["ttft_ms", "decode_tps", "total_ms"]
     summary = {k: dict(median=statistics.median(r[k] for r in runs), min=min(r[k] for r in runs),
@@ -110,7 +114,7 @@ def main() -> None:
                load_s=load_s, cpu_compile=a.compile, cpu_native_step=not a.no_native, step=step_kind(engine), rss_after_load_mb=rss_after_load, peak_rss_mb=peak,
                loadavg_start=load0, loadavg_end=os.getloadavg(), backend=a.backend, torch_loaded="torch" in sys.modules,
                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),
-               summary=summary, runs=runs)
+               sampling=sampling, summary=summary, runs=runs)
     if "torch" in sys.modules:
         import torch
 
