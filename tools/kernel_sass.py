@@ -10,7 +10,7 @@ of one kernel, not kernels with each other.
 
   python tools/kernel_sass.py gemv --rows 8 --n 11264 --k 2048 [--env O3EDGE_INT4_ASM=0]
   python tools/kernel_sass.py router --mode int8 [--env O3EDGE_ROUTER_FAST=1]
-  python tools/kernel_sass.py sampling --n 32000 --batch 8
+  python tools/kernel_sass.py sampling --n 32000 --batch 8 [--env O3EDGE_TRITON_TOPK=1]
 """
 
 from __future__ import annotations

@@ -176,7 +176,8 @@ class DecodeGraphs:
             self.seeds[:B].copy_(self.seeds_host[parity][:B], non_blocking=True)
         logits, tokens = self._decode(B, observe)
         if sampled:  # the counter: each row's position (its draw is the same on every path: runner.py)
-            tokens = counter_sample(logits, tokens, self.samp[:B], self.seeds[:B], self.meta[:B, 1], sort=key[2] == 2)
+            tokens = counter_sample(logits, tokens, self.samp[:B], self.seeds[:B], self.meta[:B, 1],
+                                    sort=key[2] == 2)
             self.last[:B].copy_(tokens)  # a launched-ahead step's input tokens
         self.tokens_hosts[parity][:B].copy_(tokens, non_blocking=True)
         return logits, tokens
@@ -263,10 +264,9 @@ class DecodeGraphs:
         """Whether a step for this batch one token on may be queued: every sequence is greedy (or drawn in the
         graph, with graph sampling), still within the model's length and holds a block for its next position,
         and some sequence goes on past this step (a row of one that ends here is computed and left unused). A
-        sequence about to
-        start a block is given it now (runner.reserve_block): sequences that started at different times
-        cross block boundaries at different steps, and without it 16 of them in 32-token blocks left
-        half the steps unqueued (tools/probe_launch_ahead.py)."""
+        sequence about to start a block is given it now (runner.reserve_block): sequences that started at
+        different times cross block boundaries at different steps, and without it 16 of them in 32-token
+        blocks left half the steps unqueued (tools/probe_launch_ahead.py)."""
         bs, limit, reserve = self.block_size, self.runner.max_model_len, self.runner.reserve_block
         for seq, _ in batch:
             nxt = seq.num_computed_tokens + 1

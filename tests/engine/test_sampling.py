@@ -89,7 +89,8 @@ def test_counter_noise_depends_on_seed_and_counter_alone():
     assert torch.equal(batch[2], one[0]) and not torch.equal(batch[1], one[0]) and not torch.equal(batch[0], one[0])
     assert bool(torch.isfinite(one).all()) and abs(one.mean().item() - 0.5772) < 0.1  # Gumbel's mean
     ids = torch.tensor([[2999, 0, 17, 17, 1234]], device=dev)
-    assert torch.equal(gumbel_noise(torch.tensor([11], device=dev), torch.tensor([40], device=dev), ids), one[:, ids[0]])
+    seed, counter = torch.tensor([11], device=dev), torch.tensor([40], device=dev)
+    assert torch.equal(gumbel_noise(seed, counter, ids), one[:, ids[0]])
 
 
 @pytest.mark.parametrize("triton_topk", ["0", "1"])

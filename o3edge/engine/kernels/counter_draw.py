@@ -8,9 +8,10 @@ Gumbel noise of kernels/noise.py). A row is drawn one of three ways, by its own 
   top-k (_block_top_kernel), then the largest of those (_topk_draw_kernel): on the H200 torch.topk took
   ~48-63 µs a step at batch 1-32 (tools/bench_sampling.py), more than the rest of the draw;
 - SORT, top-p alone or a larger top-k: over the whole sorted row (_filtered_kernel again).
-_filtered_kernel takes candidates in descending order: top-k keeps those at least the k-th (ties too), top-p
-the first whose mass before them is under top_p (over the probabilities renormalised after top-k), and the
-draw is the best score among them. _pick_kernel then writes each row's token: greedy rows keep their argmax.
+_filtered_kernel and _topk_draw_kernel take candidates in descending order and filter them by one rule
+(_block_draw): top-k keeps those at least the k-th (ties too), top-p the first whose mass before them is
+under top_p (over the probabilities renormalised after top-k), and the draw is the best score among them.
+_pick_kernel then writes each row's token: greedy rows keep their argmax.
 Written as torch operations (~30 kernels) a T 1.0 draw added 102 µs to a batch-1 step on the H200; in these
 kernels 61 (tools/bench_gpu.py --sampled, tinyllama-1.1b fp16), of which torch.topk's part is most.
 """
@@ -45,9 +46,22 @@ def _race_kernel(x_ptr, cfg_ptr, seed_ptr, counter_ptr, val_ptr, idx_ptr, V, str
 
 
 @triton.jit
-def _filtered_kernel(v_ptr, ids_ptr, cfg_ptr, seed_ptr, counter_ptr, out_ptr, K: tl.constexpr, stride_v, stride_ids, stride_cfg,
-                     stride_seed, stride_counter, MINE: tl.constexpr, T_COL: tl.constexpr, K_COL: tl.constexpr,
-                     P_COL: tl.constexpr, M_COL: tl.constexpr, BLOCK: tl.constexpr):
+def _block_draw(v, ids, kth, top, total, before, top_p, seed_ptr, counter_ptr, row, stride_seed, stride_counter,
+                BLOCK: tl.constexpr):
+    """One block of a row's candidates in descending order (scaled logits v, -inf where none; token ids):
+    top-k keeps those at least kth, top-p those whose mass before them (before: the earlier blocks') is under
+    top_p, over the probabilities exp(v - top) / total. (best score, its token, this block's mass)."""
+    p = tl.where(v >= kth, tl.exp(v - top) / total, 0.0)
+    keep = (before + tl.cumsum(p, axis=0) - p < top_p) & (v >= kth)
+    score = tl.where(keep, v + _gumbel(seed_ptr, counter_ptr, row, stride_seed, stride_counter, ids), float("-inf"))
+    token = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, axis=0), ids, 0), axis=0)
+    return tl.max(score, axis=0), token, tl.sum(p, axis=0)
+
+
+@triton.jit
+def _filtered_kernel(v_ptr, ids_ptr, cfg_ptr, seed_ptr, counter_ptr, out_ptr, K: tl.constexpr, stride_v,
+                     stride_ids, stride_cfg, stride_seed, stride_counter, MINE: tl.constexpr, T_COL: tl.constexpr,
+                     K_COL: tl.constexpr, P_COL: tl.constexpr, M_COL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cfg = cfg_ptr + row * stride_cfg
     if tl.load(cfg + M_COL) == MINE:
@@ -65,16 +79,12 @@ def _filtered_kernel(v_ptr, ids_ptr, cfg_ptr, seed_ptr, counter_ptr, out_ptr, K:
             offs = k0 + tl.arange(0, BLOCK)
             mask = offs < K
             v = tl.load(v_row + offs, mask=mask, other=float("-inf")).to(tl.float32) / t
-            p = tl.where(v >= kth, tl.exp(v - top) / total, 0.0)
-            keep = (before + tl.cumsum(p, axis=0) - p < top_p) & (v >= kth) & mask
             ids = tl.load(ids_row + offs, mask=mask, other=0).to(tl.int32)
-            score = tl.where(keep, v + _gumbel(seed_ptr, counter_ptr, row, stride_seed, stride_counter, ids),
-                             float("-inf"))
-            m = tl.max(score, axis=0)
-            token = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, axis=0), ids, 0), axis=0)
+            m, token, mass = _block_draw(v, ids, kth, top, total, before, top_p, seed_ptr, counter_ptr, row,
+                                         stride_seed, stride_counter, BLOCK)
             best_id = tl.where(m > best, token, best_id)
             best = tl.maximum(best, m)
-            before += tl.sum(p, axis=0)
+            before += mass
         tl.store(out_ptr + row, best_id.to(tl.int64))
 
 
@@ -111,7 +121,7 @@ def _topk_draw_kernel(top_ptr, cfg_ptr, seed_ptr, counter_ptr, out_ptr, BLOCKS, 
                       stride_counter, K: tl.constexpr, MINE: tl.constexpr, T_COL: tl.constexpr, K_COL: tl.constexpr,
                       P_COL: tl.constexpr, M_COL: tl.constexpr, CAP: tl.constexpr, CANDIDATES: tl.constexpr):
     """A TOPK row's draw over the CAP largest of its blocks' candidates (K = min(CAP, V) of them real),
-    filtered as _filtered_kernel does."""
+    filtered by _block_draw as _filtered_kernel's blocks are."""
     row = tl.program_id(0)
     cfg = cfg_ptr + row * stride_cfg
     if tl.load(cfg + M_COL) == MINE:
@@ -120,15 +130,12 @@ def _topk_draw_kernel(top_ptr, cfg_ptr, seed_ptr, counter_ptr, out_ptr, BLOCKS, 
         x, ids = _unkey(tl.topk(keys, CAP))
         pos = tl.arange(0, CAP)
         t, top_p = tl.load(cfg + T_COL), tl.load(cfg + P_COL)
-        v = x / t
+        v = tl.where(pos < K, x / t, float("-inf"))
         kth = tl.sum(tl.where(pos == tl.minimum(tl.load(cfg + K_COL).to(tl.int32), K - 1), v, 0.0), axis=0)
-        kept = (pos < K) & (v >= kth)
-        e = tl.where(kept, tl.exp(v - tl.max(tl.where(pos < K, v, float("-inf")), axis=0)), 0.0)
-        p = e / tl.sum(e, axis=0)
-        keep = kept & (tl.cumsum(p, axis=0) - p < top_p)
-        score = tl.where(keep, v + _gumbel(seed_ptr, counter_ptr, row, stride_seed, stride_counter, ids),
-                         float("-inf"))
-        token = tl.sum(tl.where(pos == tl.argmax(score, axis=0), ids, 0), axis=0)
+        top = tl.max(v, axis=0)
+        total = tl.sum(tl.where(v >= kth, tl.exp(v - top), 0.0), axis=0)
+        _, token, _ = _block_draw(v, ids, kth, top, total, 0.0, top_p, seed_ptr, counter_ptr, row, stride_seed,
+                                  stride_counter, CAP)
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
