@@ -5,13 +5,14 @@ Each variant is captured in a CUDA graph, as in the decode step, and replayed; t
 (CUDA events over --replays replays, the median of --repeat). Logits are random float32 [B, V]. Variants:
 the whole draw (sampling.counter_sample) for a batch whose rows are all RACE (no filter), all TOPK (top-k 40,
 top-p 0.9) or all SORT (top-p 0.9), with and without the sort; and its parts alone (torch.topk of
-TOP_K_CAP, torch.sort of the row, the greedy argmax every step already has).
+TOP_K_CAP, torch.sort of the row, the greedy argmax every step already has). The draw's top-k is Triton's
+unless O3EDGE_TRITON_TOPK=0 (torch.topk's, as before; the JSON's "top_k_by" says which).
 
-  python tools/bench_sampling.py [--batches 1,8,32] [--vocab 32000] [--json OUT]
+  [O3EDGE_TRITON_TOPK=0] python tools/bench_sampling.py [--batches 1,8,32] [--vocab 32000] [--json OUT]
 
 --numpy: the native CPU backend's sampler instead (sampling_np.sample, one row, ms a draw; the sampler of
 --against REV beside it, that revision's sampling_np.py read from git):
-  python tools/bench_sampling.py --numpy --vocab 49152 [--against f726b27] [--json OUT]
+  python tools/bench_sampling.py --numpy --vocab 49152 [--scale 3] [--against f726b27] [--json OUT]
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def numpy_ms(a) -> dict:
                              text=True, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         exec(compile(src.stdout, "sampling_np_old", "exec"), old.__dict__)
         samplers[a.against] = old
-    logits = (np.random.default_rng(0).standard_normal((1, a.vocab)) * 3).astype(np.float32)
+    logits = (np.random.default_rng(0).standard_normal((1, a.vocab)) * a.scale).astype(np.float32)
     out = {}
     for name, params in KINDS.items():
         for label, module in samplers.items():
@@ -99,9 +100,11 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--numpy", action="store_true", help="the native CPU backend's sampler (ms a draw)")
     ap.add_argument("--against", help="--numpy: also the sampler of this git revision")
+    ap.add_argument("--scale", type=float, default=3.0,
+                    help="--numpy: the logits' standard deviation (1: a flat row, whose nucleus is most of it)")
     a = ap.parse_args()
     if a.numpy:
-        out = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "vocab": a.vocab,
+        out = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "vocab": a.vocab, "scale": a.scale,
                "ms": numpy_ms(a)}
         if a.json:
             with open(a.json, "w") as f:
@@ -109,7 +112,8 @@ def main():
         return
     dev = torch.device("cuda")
     out = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
-           "command": " ".join(sys.argv), "vocab": a.vocab, "us": {}}
+           "command": " ".join(sys.argv), "vocab": a.vocab,
+           "top_k_by": "torch.topk" if os.environ.get("O3EDGE_TRITON_TOPK") == "0" else "triton", "us": {}}
     for B in [int(b) for b in a.batches.split(",")]:
         logits = torch.randn(B, a.vocab, device=dev) * 3
         greedy = logits.argmax(-1)

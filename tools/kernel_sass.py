@@ -10,7 +10,8 @@ of one kernel, not kernels with each other.
 
   python tools/kernel_sass.py gemv --rows 8 --n 11264 --k 2048 [--env O3EDGE_INT4_ASM=0]
   python tools/kernel_sass.py router --mode int8 [--env O3EDGE_ROUTER_FAST=1]
-  python tools/kernel_sass.py sampling --n 32000 --batch 8 [--env O3EDGE_TRITON_TOPK=1]
+  python tools/kernel_sass.py sampling --n 32000 --batch 8 [--env O3EDGE_TRITON_TOPK=0]
+  python tools/kernel_sass.py attention --shape tinyllama-1.1b --batch 1 --splits 32 [--context 256]
 """
 
 from __future__ import annotations
@@ -140,9 +141,32 @@ def sampling(a) -> list:
     return compiled(*fns)
 
 
+def attention(a) -> list:
+    """Decode attention (kernels/decode_attention.py) for --batch rows at --context tokens in --splits key
+    splits, at --shape's heads, and the split merge's kernel."""
+    import o3edge.engine.kernels.decode_attention as da
+    from tools.bench_attention import SHAPES
+
+    H, KVH, hd = SHAPES[a.shape]
+    dtype, bs = getattr(torch, a.dtype), a.block_size
+    blocks = -(-(a.context + 1) // bs)
+    meta = torch.zeros(a.batch, 3 + blocks, dtype=torch.int32)
+    meta[:, 1], meta[:, 2] = a.context, a.context
+    meta[:, 3:] = torch.arange(blocks, dtype=torch.int32)
+    cache = torch.zeros(blocks * bs, KVH, hd, dtype=dtype)
+    table = torch.zeros(a.context + 1, hd, dtype=dtype)
+    try:
+        da.decode_attention(torch.zeros(a.batch, (H + 2 * KVH) * hd, dtype=dtype), table, table, meta, cache,
+                            cache.clone(), H, bs, num_splits=a.splits)
+    except Exception as e:
+        if "CompilationError" in type(e).__name__:
+            print(f"compile failed: {e}", file=sys.stderr)
+    return compiled(da._decode_attention_kernel)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("gemv", "router", "sampling"))
+    ap.add_argument("what", choices=("gemv", "router", "sampling", "attention"))
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE set before compiling (repeatable)")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--rows", type=int, default=8)
@@ -162,7 +186,7 @@ def main() -> None:
         name, _, value = kv.partition("=")
         os.environ[name] = value
     driver.set_active(Sm90())
-    for name, kernel in {"gemv": gemv, "router": router, "sampling": sampling}[a.what](a):
+    for name, kernel in {"gemv": gemv, "router": router, "sampling": sampling, "attention": attention}[a.what](a):
         r = report(kernel, name)
         print(f"{r['kernel']}: {r['registers']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, "
               f"{r['instructions']} instructions; loads {r['loads']}")

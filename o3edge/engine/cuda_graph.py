@@ -17,6 +17,8 @@ still be in flight while the next step's is filled).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 
@@ -59,17 +61,36 @@ def _int32(entries: list[int]) -> np.ndarray:
     return np.asarray(entries, dtype=np.int32)
 
 
+@contextlib.contextmanager
+def _no_collection():
+    """Python's cyclic garbage collector off for the block (as it was after)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def capture_graphs(sizes: list, forward, what: str, error_mode: str = "global") -> dict:
     """size -> (graph, *outputs of forward(size)), captured largest first into one shared memory pool.
     error_mode: torch.cuda.graph's capture_error_mode ("thread_local" lets the pinned-memory allocator
-    query its events while a graph copies to or from host memory)."""
+    query its events while a graph copies to or from host memory).
+
+    Python's cyclic garbage collector is held off during each capture: a collection there that frees an
+    earlier engine's graph (an engine replaced, or dropped in a reference cycle) destroys a graph while
+    the stream captures, which CUDA refuses, invalidating the capture and aborting the process (seen on
+    the H200 when a tool loaded one engine after another, docs/results/gpu-2026-12-03h/). Torch no longer
+    collects before a capture, so it is done here, once."""
     graphs, pool = {}, None
+    gc.collect()
     for size in sorted(sizes, reverse=True):
         for _ in range(2):  # warm up (Triton compiles here), as capture requires
             forward(size)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
+        with _no_collection(), torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
             outputs = forward(size)
         pool = graph.pool()
         graphs[size] = (graph, *outputs)

@@ -174,3 +174,38 @@ def test_sampled_rows_drawn_in_captured_graphs_launched_ahead_match_the_eager_dr
     steps = graphs.engine.runner.graphs
     assert steps.num_steps >= 20 + 3 * 7 - 1 and steps.num_ahead_taken == steps.num_steps - 1
     assert len({tuple(t) for t in a.values()}) == len(a)
+
+
+def test_graphs_capture_while_an_old_engines_graph_becomes_garbage_in_a_cycle():
+    """An engine loading while the one it replaces waits in a reference cycle for Python's collector: if the
+    collector ran during the new engine's graph capture it would destroy the old graphs mid-capture, which
+    CUDA refuses, and the process aborted (seen loading one engine after another). Capture holds the
+    collector off, so the load succeeds, its graph replays right, and the old graph is freed after."""
+    import gc
+    import weakref
+
+    from o3edge.engine.cuda_graph import capture_graphs
+
+    x = torch.arange(4096, dtype=torch.float32, device="cuda")
+    box = [capture_graphs([1], lambda size: (x * 2,), "old")]
+    gone = weakref.ref(box[0][1][0])  # the old graph's output, freed with it
+    calls = []
+
+    def forward(size):
+        calls.append(size)
+        if len(calls) == 3:  # the capture: the old graphs' last reference moves into a cycle, now garbage
+            cycle = {"graphs": box.pop()}
+            cycle["self"] = cycle
+            del cycle
+            keep = [[] for _ in range(20000)]  # enough allocations to start the collector several times
+            keep.clear()
+        return (x + 1,)
+
+    new = capture_graphs([1], forward, "new")
+    graph, out = new[1]
+    x.fill_(5.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(x, 6.0))
+    gc.collect()
+    assert gone() is None and not box

@@ -98,7 +98,7 @@ def test_counter_draw_methods_agree_where_they_overlap(triton_topk, monkeypatch)
     """counter_sample draws a row one of three ways by its settings (one pass with no filter, the 64 largest
     logits for a small top-k, a sort of the whole row); the way is an implementation detail: a row drawn by
     the sort path gets the same token as by the cheaper one (the 64 largest by torch.topk, or by Triton's
-    bitonic top-k with O3EDGE_TRITON_TOPK=1)."""
+    bitonic top-k, the default, or by torch.topk with O3EDGE_TRITON_TOPK=0)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("O3EDGE_TRITON_TOPK", triton_topk)
     from o3edge.engine.sampling import METHOD, SORT, counter_sample, counter_settings

@@ -3,17 +3,18 @@
 A sampled token is argmax(x / T + G) over the tokens a request's filters keep (x its logits, G the counter
 Gumbel noise of kernels/noise.py). A row is drawn one of three ways, by its own settings (sampling.py, METHOD):
 - RACE, no filter: one pass over the vocabulary, each block's best, then the best of those (_race_kernel);
-- TOPK, a top-k within TOP_K_CAP: over torch.topk's largest logits (_filtered_kernel); or, with
-  O3EDGE_TRITON_TOPK=1 (not yet measured on a GPU, so off), over each block's largest by Triton's bitonic
-  top-k (_block_top_kernel), then the largest of those (_topk_draw_kernel): on the H200 torch.topk took
-  ~48-63 µs a step at batch 1-32 (tools/bench_sampling.py), more than the rest of the draw;
+- TOPK, a top-k within TOP_K_CAP: over each block's largest by Triton's bitonic top-k (_block_top_kernel),
+  then the largest of those (_topk_draw_kernel); with O3EDGE_TRITON_TOPK=0, over torch.topk's largest logits
+  (_filtered_kernel), as before: on the H200 torch.topk took ~48-63 µs a step at batch 1-32
+  (tools/bench_sampling.py), more than the rest of the draw, and Triton's made whole sampled generations
+  1-6% faster (T 1.0 at batch 1: 1,213 -> 1,286 tok/s, greedy 1,309; docs/results/gpu-2026-12-03h/);
 - SORT, top-p alone or a larger top-k: over the whole sorted row (_filtered_kernel again).
 _filtered_kernel and _topk_draw_kernel take candidates in descending order and filter them by one rule
 (_block_draw): top-k keeps those at least the k-th (ties too), top-p the first whose mass before them is
 under top_p (over the probabilities renormalised after top-k), and the draw is the best score among them.
 _pick_kernel then writes each row's token: greedy rows keep their argmax.
 Written as torch operations (~30 kernels) a T 1.0 draw added 102 µs to a batch-1 step on the H200; in these
-kernels 61 (tools/bench_gpu.py --sampled, tinyllama-1.1b fp16), of which torch.topk's part is most.
+kernels with torch.topk 61 (tools/bench_gpu.py --sampled, tinyllama-1.1b fp16), with Triton's top-k 14.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def draw(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor, seeds: t
                               T_COL=TEMPERATURE, BLOCK=RACE_BLOCK, num_warps=4)
     drawn = torch.empty(B, dtype=torch.long, device=dev)
     cols = dict(T_COL=TEMPERATURE, K_COL=KTH, P_COL=TOP_P, M_COL=METHOD)
-    if topk and os.environ.get("O3EDGE_TRITON_TOPK") == "1":  # each block's TOP_K_CAP largest, then the draw
+    if topk and os.environ.get("O3EDGE_TRITON_TOPK") != "0":  # each block's TOP_K_CAP largest, then the draw
         block = max(TOP_K_CAP, min(TOP_BLOCK, triton.next_power_of_2(V)))  # over the largest of those
         top_blocks = triton.cdiv(V, block)
         top = torch.empty(B, top_blocks * TOP_K_CAP, dtype=torch.int64, device=dev)
