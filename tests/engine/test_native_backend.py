@@ -191,6 +191,14 @@ def test_numpy_sampling_keeps_what_the_sorted_filters_keep():
         ids, probs = kept(x, p)
         np.testing.assert_array_equal(np.sort(ids), np.flatnonzero(ref > 0))
         np.testing.assert_allclose(probs / probs.sum(), ref[ids] / ref[ids].sum(), rtol=1e-9)
+    # a vocabulary's worth of flat rows, whose nucleus is found by bins of probability: thousands of tokens
+    for x in (rs.standard_normal(49152), np.round(rs.standard_normal(49152)), np.zeros(49152),
+              np.concatenate((rs.standard_normal(5000) + 20, rs.standard_normal(44152)))):
+        for top_p in (0.3, 0.9, 0.999):
+            p = SamplingParams(temperature=1.0, top_p=top_p)
+            ids, _ = kept(x.astype(np.float32), p)
+            np.testing.assert_array_equal(np.sort(ids), np.flatnonzero(filtered_probs(x.astype(np.float32), p) > 0))
+            assert len(ids) > 64
 
 
 def test_native_tables_match_the_torch_rope(checkpoints):
