@@ -142,8 +142,9 @@ def sampling(a) -> list:
 
 
 def attention(a) -> list:
-    """Decode attention (kernels/decode_attention.py) for --batch rows at --context tokens in --splits key
-    splits, at --shape's heads, and the split merge's kernel."""
+    """Decode attention's kernel (kernels/decode_attention.py) for --batch rows at --context tokens in
+    --splits key splits, at --shape's heads (the split merge's kernel is not launched: the launch before it
+    fails here)."""
     import o3edge.engine.kernels.decode_attention as da
     from tools.bench_attention import SHAPES
 

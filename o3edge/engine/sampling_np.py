@@ -38,8 +38,8 @@ def kept(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]
     stable descending order, looked for among the 64 most probable first (all tokens as probable as the last
     of them), then, when those do not leave one out, by bins of probability (_nucleus_by_bins). On this
     project's 2-core CPU machine a top-p draw over 49,152 logits took 5.0-5.6 ms with the sort of the
-    vocabulary; now 0.38-0.7 ms when the nucleus is small (logits from N(0, 3²) at T 0.7: 17 tokens) and
-    ~1.6 ms when it is most of the vocabulary (N(0, 1): 21,605 tokens; 7.8 ms with the rounds of larger
+    vocabulary; now 0.38-0.8 ms when the nucleus is small (logits from N(0, 3²) at T 0.7: 17 tokens) and
+    2.3 ms when it is most of the vocabulary (N(0, 1): 21,605 tokens; 8.7 ms with the rounds of larger
     guesses this replaced) (tools/bench_sampling.py --numpy [--scale 1], docs/benchmarks.md)."""
     x = logits.astype(np.float64) / p.temperature
     V = x.shape[0]
@@ -55,17 +55,22 @@ def kept(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]
     if n > FIRST_GUESS:  # the most probable first: a trained model's nucleus is mostly this small
         sub = np.flatnonzero(probs >= np.partition(probs, n - FIRST_GUESS)[n - FIRST_GUESS])
         order = sub[np.argsort(-probs[sub], kind="stable")]  # sub ascends: ties in token order, as a full sort
-        ranked = probs[order]
-        keep = np.cumsum(ranked) - ranked < p.top_p
+        ranked, keep = _prefix(probs, order, p.top_p)
         if not keep.all():
             return ids[order[keep]], ranked[keep]
     if n <= SORTED_BELOW:
         order = np.argsort(-probs, kind="stable")
-        ranked = probs[order]
-        keep = np.cumsum(ranked) - ranked < p.top_p
+        ranked, keep = _prefix(probs, order, p.top_p)
     else:
         order, ranked, keep = _nucleus_by_bins(probs, p.top_p)
     return ids[order[keep]], ranked[keep]
+
+
+def _prefix(probs: np.ndarray, order: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(probs in `order`, most probable first, and which of them top-p keeps: those whose mass before them is
+    under top_p)."""
+    ranked = probs[order]
+    return ranked, np.cumsum(ranked) - ranked < top_p
 
 
 FIRST_GUESS = 64  # top-p looks among this many most probable tokens first
