@@ -397,8 +397,9 @@ def by_kind(walls: dict) -> dict:
 
 
 def decode_once(path, prompts, warm, label: str, graphs: bool, a) -> dict:
-    """One setting's decode on the GPU: a short warm-up generation, the prompts prefilled, then tok/s of the
-    batch once every prompt is in, the steps' wall times (p50/p90/p99, by step kind) and the KV books."""
+    """One setting's decode on the GPU: a short warm-up generation, the prompts prefilled (one a step: the
+    median prompt step's wall time), then tok/s of the batch once every prompt is in, the steps' wall times
+    (p50/p90/p99, by step kind) and the KV books."""
     eng = decode_engine(path, label, "cuda", "bfloat16", None, a, cuda_graphs=graphs, router_cuda_graphs=graphs)
     for i, ids in enumerate(warm):  # a short generation first: the first refresh step's kernels load
         eng.add_request(f"warm-up {i}", ids, SamplingParams(max_new_tokens=40, ignore_eos=True))
@@ -409,8 +410,11 @@ def decode_once(path, prompts, warm, label: str, graphs: bool, a) -> dict:
         graph_path.num_steps = graph_path.num_ahead_taken = 0
     for i, ids in enumerate(prompts):
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
+    prompt_steps = []  # one prompt a step (max_num_batched_tokens is the context): each ends synchronized
     while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        t = time.perf_counter()
         eng.step()  # prefill everything (the first tokens)
+        prompt_steps.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize()
     demoted = getattr(eng.blocks, "num_demoted", 0)
     t0, n, steps, kinds, kind = time.perf_counter(), 0, [], {}, None
@@ -430,6 +434,7 @@ def decode_once(path, prompts, warm, label: str, graphs: bool, a) -> dict:
            "compressed_share": st.get("kv_tokens_compressed_share", 0.0),
            "preemptions": st.get("preemptions"),
            "blocks_demoted_in_decode": getattr(eng.blocks, "num_demoted", 0) - demoted,
+           "prompt_step_ms_p50": round(statistics.median(prompt_steps), 3),
            "steps": len(steps), "step_ms_p50": round(q[0], 3),
            "step_ms_p90": round(q[1], 3), "step_ms_p99": round(q[2], 3), "step_ms_max": round(max(steps), 3),
            "step_ms_sum_top_16th": round(sum(sorted(steps)[-max(1, len(steps) // 16):]), 2),

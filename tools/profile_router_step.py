@@ -9,6 +9,10 @@ Same engine and prompts as `tools/bench_router.py --gpu`. Each part is wrapped w
 synchronizes the device before and after it, so the parts do not overlap as they do in a normal run
 (launch ahead is off here): the figures say what each part costs, not what a step costs.
 
+With --prompts the prompt steps are profiled instead: one prompt a step, beside the sequences already
+decoding (a new arrival's step), each step's wall time, and the host operations and GPU kernels with the
+most time of their own.
+
 With --trace the steps run as in a normal run (launched ahead, no timers) under torch.profiler, and each
 engine step reports how long the GPU sat idle while the host was in that step (what the host's work
 left it waiting for), by kind: refresh steps, the step after each, the others; the host operations with
@@ -142,6 +146,33 @@ def trace(eng, a) -> dict:
             "gpu_ms_per_decode_step": round(sum(ms for _, ms in kernels.values()) / len(kinds), 3)}
 
 
+def prompt_steps(eng, a) -> dict:
+    """The prompt steps (each one prompt, beside the sequences already decoding) under torch.profiler, after
+    the first four (Triton's first compilations): wall time of each, and the host operations and GPU
+    kernels with the most time of their own, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    walls, n = [], 0
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else []))
+    while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        if n == 4:
+            prof.start()
+        t = time.perf_counter()
+        eng.step()  # returns the prompt's first token to the host: the step is done
+        walls.append(round((time.perf_counter() - t) * 1e3, 3))
+        n += 1
+    prof.stop()
+    traced = max(1, n - 4)
+    host, gpu = collections.Counter(), collections.Counter()
+    for ev in prof.key_averages():
+        host[ev.key] += ev.self_cpu_time_total / 1e3 / traced
+        gpu[ev.key] += getattr(ev, "self_device_time_total", 0) / 1e3 / traced
+    return {"setting": a.setting, "shape": a.shape, "context": a.context, "batch": a.batch, "prompt_steps_ms": walls,
+            "traced_steps": traced,
+            "host_self_ms_per_step": {k: round(v, 3) for k, v in host.most_common(25)},
+            "gpu_ms_per_step": {k: round(v, 3) for k, v in gpu.most_common(15) if v > 0}}
+
+
 def _median(xs: list[float]) -> float | None:
     """The median in ms to 3 decimals; None without any (a setting with no refresh steps, such as uniform INT8)."""
     return round(statistics.median(xs), 3) if xs else None
@@ -158,6 +189,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/o3edge-bench-router")
     ap.add_argument("--json")
     ap.add_argument("--trace", action="store_true", help="launch ahead on, no timers: the GPU's idle time by step")
+    ap.add_argument("--prompts", action="store_true",
+                    help="profile the prompt steps instead (one prompt a step beside the sequences decoding)")
     ap.add_argument("--device", default="cuda", help="--trace: cuda, or cpu for a check under the interpreter")
     a = ap.parse_args()
     if a.setting == "off" and not a.trace:  # no router: its steps are DecodeGraphs' (bench_router.py --gpu times them)
@@ -172,6 +205,13 @@ def main() -> None:
     eng.runner.graphs.launch_ahead = a.trace
     for i, ids in enumerate(prompts):
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
+    if a.prompts:
+        out = prompt_steps(eng, a)
+        print(json.dumps(out, indent=1))
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+        return
     while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     if a.trace:

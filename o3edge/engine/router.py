@@ -47,16 +47,20 @@ instead (router_graph.py); a refresh step's observation is that kernel's side ou
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from o3edge.engine.kv_quant import bytes_per_vector, code_dim, hadamard, quantize, unpack_int4
 
 ROUTER_MODES = ("off", "int8", "int4")
+NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # a prompt's attention
 
 
 @dataclass(frozen=True)
@@ -411,25 +415,28 @@ class KVRouter:
 
     # ---- steps -----------------------------------------------------------------------------
     def begin_step(self, batch) -> RouterStep:
-        """The per-sequence key split and observation plan of a step over batch [(seq, n)]."""
+        """The per-sequence key split and observation plan of a step over batch [(seq, n)]. Every index the
+        step's attention reads goes to the device in one copy (it was five copies a sequence)."""
         self.flush_moves()
-        bs, parts, row, nf = self.block_size, [], 0, self.num_full_blocks
+        bs, nf, host, plans = self.block_size, self.num_full_blocks, [], []
         for seq, n in batch:
             start = seq.num_computed_tokens
             ctx = start + n
-            pos = torch.arange(ctx)
-            ids = torch.tensor(seq.block_table[:-(-ctx // bs)], dtype=torch.long)[pos // bs]
+            pos = np.arange(ctx)
+            ids = np.asarray(seq.block_table[:-(-ctx // bs)], dtype=np.int64)[pos // bs]
             comp = ids >= nf
-            slots = torch.where(comp, ids - nf, ids) * bs + pos % bs  # full pool slot or compressed slot
-            book = self.books.row(seq.seq_id)
+            slots = np.where(comp, ids - nf, ids) * bs + pos % bs  # full pool slot or compressed slot
+            host += [pos[start:], slots[~comp], pos[~comp], slots[comp], pos[comp]]
             if seq.num_output_tokens > 0:  # decode: the query of the step that routes
                 observe = int(n == 1 and self.observing_now())
             else:  # the last queries of the prompt, in the step that ends it
                 observe = min(n, self.cfg.obs_window) if ctx == len(seq) else 0
-            dev = self.device
-            parts.append(_SeqStep(slice(row, row + n), start, torch.arange(start, ctx, device=dev),
-                                  slots[~comp].to(dev), pos[~comp].to(dev), slots[comp].to(dev), pos[comp].to(dev),
-                                  observe, book))
+            plans.append((start, n, observe, self.books.row(seq.seq_id)))
+        flat = torch.from_numpy(np.concatenate(host)).to(self.device)
+        views = iter(flat.split([len(h) for h in host]))
+        parts, row = [], 0
+        for start, n, observe, book in plans:
+            parts.append(_SeqStep(slice(row, row + n), start, *(next(views) for _ in range(5)), observe, book))
             row += n
         return RouterStep(self, parts)
 
@@ -463,14 +470,21 @@ class KVRouter:
         router_graph.py makes them due and carries the share out first where it can)."""
         return not self.pending
 
-    def end_step(self, batch, decoding: bool = False) -> None:
+    def end_step(self, batch, decoding: bool = False, counted: bool = True) -> None:
         """Route the sequences whose prompt just ended, and the decoding ones due for a refresh. A prompt's
         routing is planned now and carried out at this step's end (RouterBlocks.mark_computed: an eager
         step, nothing queued behind it). A refresh's saliency is read one step later, on every path: at
         the next step's end, when the graph path's reading of it (prepare_routing, queued behind the step
         launched after the refresh step) is done, so that no step waits for it; its demotions are then
         due from the step after that (make_due). decoding: batch is a graph step's (every sequence decoding,
-        its books started)."""
+        its books started). counted=False: batch is the prompt rows of a step whose decoding rows took the
+        graph step, whose end_step counts the step (runner._run_router_split): only the prompts that end are
+        routed, now."""
+        if not counted:
+            routed = self._routed(batch)
+            if routed:
+                self._plan(routed, self._held(routed).cpu(), None, self.plans)
+            return
         routed = self._routed(batch, decoding)
         prepared, self.prepared = self.prepared, None
         self.make_due()
@@ -640,8 +654,19 @@ class KVRouter:
         tools/bench_router.py --speed, docs/benchmarks.md.)"""
         n, H, hd = qf.shape
         q, k, v = qf.transpose(0, 1)[None], kf.transpose(0, 1)[None], vf.transpose(0, 1)[None]
+        dt = self.kv_cache.dtype
+        flash = qf.is_cuda and dt in (torch.float16, torch.bfloat16)
+        if flash:  # in the cache's dtype (q, k and v are its values, exactly), for torch's flash attention: in
+            # float32 with GQA only its plain path takes it, which makes the [H, n, keys] matrix. Not cuDNN's
+            # attention, torch's first choice on the H200: it spent ~40 ms of host time a call on the built-in
+            # long model's 3,840-token prompts (tools/profile_router_step.py --prompts)
+            q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if part.start == 0 and kf.shape[0] == n:  # the whole prompt in this step: causal, aligned
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            with sdpa_kernel(NOT_CUDNN) if flash else contextlib.nullcontext():
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        elif flash:  # a later chunk over every key up to it (none compressed): causal from the bottom right
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, kf.shape[0]), scale=scale,
+                                               enable_gqa=True)
         else:  # a later chunk: query i sees keys up to its own position
             mask = part.full_pos[None, :] <= part.q_pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -120,10 +120,12 @@ class ModelRunner:
             ready()
             logits, picked = self.graphs.run(batch, greedy_only)  # router_graph.py: both pools in the graph
             self.router.end_step(batch, decoding=True)
+        elif self.router is not None and (rows := self._router_split(batch)) is not None:
+            return self._run_router_split(batch, *rows, ready)
         elif self.router is not None:
             if self.graphs is not None:
                 self.graphs.drop_ahead()
-            input_ids, positions, step = self.prepare(batch)
+            input_ids, positions, step = self.prepare(batch, keys=False)
             step.router = self.router.begin_step(batch)
             ready()
             logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
@@ -149,6 +151,10 @@ class ModelRunner:
                 ready()
                 logits = forward(input_ids, positions, self.cos, self.sin, step, self.kv_cache)  # [B, V]
         self.last_logits = logits  # kept for tests and quality reports; no copy (None: overwritten)
+        return self._tokens(batch, logits, picked, greedy_only, done)
+
+    def _tokens(self, batch, logits, picked, greedy_only: bool, done: list[int]) -> list[int | None]:
+        """run's tokens: picked on the device (the rows `done` finish a prompt), or from the logits here."""
         if picked is None and not greedy_only and self.graphs is not None and self.graphs.sampling:
             return self._counter_pick(batch, logits)
         if picked is None:
@@ -156,6 +162,45 @@ class ModelRunner:
         tokens: list[int | None] = [None] * len(batch)
         for i in done:
             tokens[i] = picked[i]
+        return tokens
+
+    def _router_split(self, batch) -> tuple[list[int], list[int]] | None:
+        """A router step's (prompt rows, decoding rows) where it has both and its decoding sequences fit the
+        router's decode graphs; None otherwise."""
+        if self.graphs is None:
+            return None
+        decoding = [i for i, row in enumerate(batch) if not self.router.needs_eager([row])]
+        if not decoding or len(decoding) == len(batch) or not self.graphs.fits([batch[i] for i in decoding]):
+            return None
+        taken = set(decoding)
+        return [i for i in range(len(batch)) if i not in taken], decoding
+
+    def _run_router_split(self, batch, prompt_rows: list[int], decoding_rows: list[int], ready) -> list[int | None]:
+        """A router step with prompt rows and decoding ones: the prompt rows run eager, as their own router
+        step that the refresh count passes over (KVRouter.end_step's counted), then the decoding rows take
+        the decode graph step (or the one queued for them), which counts. Before, the whole step ran eager:
+        every decoding sequence attended over both pools by torch operations, layer by layer. On the H200, a
+        3,840-token prompt's step beside 15 decoding sequences took 90-171 ms that way (7-13 with the router
+        off), 17-21 ms with this and the prompt's flash attention (router.py; tools/bench_router.py --gpu's
+        prompt_step_ms_p50, docs/benchmarks.md)."""
+        tokens: list[int | None] = [None] * len(batch)
+        for rows, graph in ((prompt_rows, False), (decoding_rows, True)):
+            part = [batch[i] for i in rows]
+            done = [i for i, (seq, n) in enumerate(part) if seq.num_computed_tokens + n == len(seq)]
+            greedy_only = all(part[i][0].params.greedy for i in done)
+            picked = None
+            if graph:
+                logits, picked = self.graphs.run(part, greedy_only)
+                self.router.end_step(part, decoding=True)
+            else:
+                input_ids, positions, step = self.prepare(part, keys=False)
+                step.router = self.router.begin_step(part)
+                ready()
+                logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
+                self.router.end_step(part, counted=False)
+            for i, token in zip(rows, self._tokens(part, logits, picked, greedy_only, done)):
+                tokens[i] = token
+        self.last_logits = None
         return tokens
 
     @torch.inference_mode()
@@ -192,8 +237,11 @@ class ModelRunner:
         if self.router is not None:
             self.router.forget(seq.seq_id)
 
-    def prepare(self, batch: list[tuple[Sequence, int]]):
-        """Flat input ids and positions, and the step's attention metadata, on the device."""
+    def prepare(self, batch: list[tuple[Sequence, int]], keys: bool = True):
+        """Flat input ids and positions, and the step's attention metadata, on the device. keys=False: the
+        cache slots the new tokens are written to and the logits' rows only, no key slots or mask (the
+        token router's step, whose attention reads each sequence's keys through router.begin_step's plan:
+        a 3,840-token prompt's mask alone is 15 MB made on the host and copied)."""
         bs, B = self.block_size, len(batch)
         starts = [seq.num_computed_tokens for seq, _ in batch]
         counts = [n for _, n in batch]
@@ -210,6 +258,10 @@ class ModelRunner:
         slot_mapping = flat_tables[(positions // bs) + _row_offsets(counts, max_blocks)] * bs + positions % bs
         last = torch.tensor(counts).cumsum(0) - 1
         dev = self.device
+        if not keys:
+            return (torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev),
+                    StepBatch(slot_mapping=slot_mapping.to(dev), q_dest=None, kv_slots=None, attn_mask=None, num_seqs=B,
+                              max_q=Q, logits_index=last.to(dev)))
         if self.paged_prefill:  # attention reads the cache through the block tables: no gather, no mask
             seqs = torch.tensor([(int(e) - n + 1, n, s) for e, n, s in zip(last, counts, starts)], dtype=torch.int32)
             step = StepBatch(slot_mapping=slot_mapping.to(dev), q_dest=None, kv_slots=None, attn_mask=None,

@@ -149,6 +149,41 @@ def test_steps_launched_ahead_give_the_same_tokens_refresh_steps_included(tiny_d
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_prompt_arriving_while_others_decode_leaves_their_rows_on_the_graph_step(tiny_dir, device):
+    """A request arriving mid-generation, its prompt prefilled in chunks: each step with a prompt chunk and
+    decoding sequences runs the chunk eager and the decoding rows on the graph step (before, the whole step
+    ran eager). The tokens and the demotions after every step are the eager path's, and every decode step
+    of the requests already running was a graph step, refresh steps included. (On CUDA: captured graphs.)"""
+    routed = {**ROUTED, "router_refresh_steps": 4, "max_num_batched_tokens": 24}  # threshold 0: demotions sure
+    outs, timelines = [], []
+    for graphs in (False, True):
+        m = O3Model.from_config(O3Config(model_path=tiny_dir, device=device, dtype="float32", kv_router="int8",
+                                         router_cuda_graphs=graphs and device == "cuda", **routed))
+        eng, runner = m.engine, m.engine.runner
+        if graphs and device == "cpu":
+            runner.graphs = RouterDecodeGraphs(runner, 4, capture=False, launch_ahead=True)
+        for i in range(2):
+            eng.add_request(str(i), eng.encode(PROMPT + f"Module {i}?"), SamplingParams(max_new_tokens=24,
+                                                                                         ignore_eos=True))
+        out, demoted, mixed, split = {}, [], [], runner._run_router_split
+        runner._run_router_split = lambda *args: mixed.append(1) or split(*args)
+        while eng.has_unfinished_requests():
+            if len(demoted) == 8:  # both decoding (their prompts: 24 tokens a step); no prefix shared
+                eng.add_request("late", eng.encode("Late. " + PROMPT), SamplingParams(max_new_tokens=6,
+                                                                                     ignore_eos=True))
+            for o in eng.step()[0]:
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+            demoted.append(eng.blocks.num_demoted)
+        outs.append(out)
+        timelines.append(demoted)
+        if graphs:
+            assert len(mixed) >= 4  # the late prompt took its chunks beside the two decoding requests
+            assert runner.graphs.num_steps >= 23  # every decode step of the first two (24 tokens each)
+    assert outs[0] == outs[1] and timelines[0] == timelines[1]
+    assert timelines[0][-1] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode, observe_splits", [("int8", "0"), ("int4", "0"), ("int8", "1")])
 def test_router_decode_in_cuda_graphs_matches_eager(tiny_dir, mode, observe_splits, monkeypatch):
