@@ -206,21 +206,11 @@ def main() -> None:
     for i, ids in enumerate(prompts):
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
     if a.prompts:
-        out = prompt_steps(eng, a)
-        print(json.dumps(out, indent=1))
-        if a.json:
-            with open(a.json, "w") as fh:
-                json.dump(out, fh, indent=1)
-        return
+        return report(prompt_steps(eng, a), a.json)
     while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     if a.trace:
-        out = trace(eng, a)
-        print(json.dumps(out, indent=1))
-        if a.json:
-            with open(a.json, "w") as fh:
-                json.dump(out, fh, indent=1)
-        return
+        return report(trace(eng, a), a.json)
     timed(RouterDecodeGraphs, "_step", "graph step (replay)")
     timed(KVRouter, "observed_in_graph", "observation's books")
     timed(KVRouter, "prepare_routing", "routing's saliency read (prepare_routing)")
@@ -248,9 +238,14 @@ def main() -> None:
     out["engine_step_ms"] = {"refresh": _median([x for x, k in steps if k]),
                              "other": _median([x for x, k in steps if not k]),
                              "refresh_steps": sum(kinds), "steps": len(steps)}
+    report(out, a.json)
+
+
+def report(out: dict, path: str | None) -> None:
+    """Print out as JSON, and write it to path when given."""
     print(json.dumps(out, indent=1))
-    if a.json:
-        with open(a.json, "w") as fh:
+    if path:
+        with open(path, "w") as fh:
             json.dump(out, fh, indent=1)
 
 

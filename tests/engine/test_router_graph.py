@@ -23,6 +23,19 @@ def advance(eng, batch, tokens):
     return [(seq, 1) for seq, _ in batch]
 
 
+def run_to_end(eng, arrivals: dict | None = None) -> tuple[dict, list[int]]:
+    """Step eng until every request is done: (tokens by request id, blocks demoted so far after each step);
+    arrivals: steps taken -> (request id, prompt ids, params) added before the next one."""
+    out, demoted = {}, []
+    while eng.has_unfinished_requests():
+        if arrivals and len(demoted) in arrivals:
+            eng.add_request(*arrivals[len(demoted)])
+        for o in eng.step()[0]:
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+        demoted.append(eng.blocks.num_demoted)
+    return out, demoted
+
+
 def two_prompts(tiny_dir, mode: str):
     """(engine, runner, uncaptured router graphs, two sequences holding their prompts' blocks)."""
     m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router=mode, **ROUTED))
@@ -166,15 +179,11 @@ def test_a_prompt_arriving_while_others_decode_leaves_their_rows_on_the_graph_st
         for i in range(2):
             eng.add_request(str(i), eng.encode(PROMPT + f"Module {i}?"), SamplingParams(max_new_tokens=24,
                                                                                          ignore_eos=True))
-        out, demoted, mixed, split = {}, [], [], runner._run_router_split
+        mixed, split = [], runner._run_router_split
         runner._run_router_split = lambda *args: mixed.append(1) or split(*args)
-        while eng.has_unfinished_requests():
-            if len(demoted) == 8:  # both decoding (their prompts: 24 tokens a step); no prefix shared
-                eng.add_request("late", eng.encode("Late. " + PROMPT), SamplingParams(max_new_tokens=6,
-                                                                                     ignore_eos=True))
-            for o in eng.step()[0]:
-                out.setdefault(o.request_id, []).extend(o.token_ids)
-            demoted.append(eng.blocks.num_demoted)
+        late = ("late", eng.encode("Late. " + PROMPT), SamplingParams(max_new_tokens=6, ignore_eos=True))
+        # it arrives once both decode (their prompts: 24 tokens a step); it shares no prefix with them
+        out, demoted = run_to_end(eng, {8: late})
         outs.append(out)
         timelines.append(demoted)
         if graphs:
@@ -280,11 +289,7 @@ def test_a_refresh_demotions_are_carried_out_alike_on_both_paths(tiny_dir, monke
         for i in range(3):
             eng.add_request(str(i), eng.encode(PROMPT + f"What is module {i}?"),
                             SamplingParams(max_new_tokens=40, ignore_eos=True))
-        demoted, out = [], {}
-        while eng.has_unfinished_requests():
-            for o in eng.step()[0]:
-                out.setdefault(o.request_id, []).extend(o.token_ids)
-            demoted.append(eng.blocks.num_demoted)
+        out, demoted = run_to_end(eng)
         timelines.append(demoted)
         outs.append(out)
         if graphs:
