@@ -78,7 +78,7 @@ def run_once(a, profile: cProfile.Profile | None) -> dict:
     eng, prompts = engine_with_stubs(a)
     for i, ids in enumerate(prompts):
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
-    while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+    while bench_router.prefilling(eng):
         eng.step()  # the prompts (stubbed: no attention computed)
     walls, kinds, router, kind = [], {}, eng.runner.router, None
     if profile is not None:

@@ -396,6 +396,11 @@ def by_kind(walls: dict) -> dict:
     return {k: {"n": len(v), "median_ms": round(statistics.median(v), 4)} for k, v in walls.items()}
 
 
+def prefilling(eng) -> bool:
+    """Whether eng has a prompt still to prefill: a request waiting, or running without its first token."""
+    return any(s.num_output_tokens == 0 for s in eng.scheduler.running) or bool(eng.scheduler.waiting)
+
+
 def decode_once(path, prompts, warm, label: str, graphs: bool, a) -> dict:
     """One setting's decode on the GPU: a short warm-up generation, the prompts prefilled (one a step: the
     median prompt step's wall time), then tok/s of the batch once every prompt is in, the steps' wall times
@@ -411,7 +416,7 @@ def decode_once(path, prompts, warm, label: str, graphs: bool, a) -> dict:
     for i, ids in enumerate(prompts):
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
     prompt_steps = []  # one prompt a step (max_num_batched_tokens is the context): each ends synchronized
-    while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+    while prefilling(eng):
         t = time.perf_counter()
         eng.step()  # prefill everything (the first tokens)
         prompt_steps.append((time.perf_counter() - t) * 1e3)

@@ -154,7 +154,7 @@ def prompt_steps(eng, a) -> dict:
 
     walls, n = [], 0
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else []))
-    while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+    while bench_router.prefilling(eng):
         if n == 4:
             prof.start()
         t = time.perf_counter()
@@ -207,7 +207,7 @@ def main() -> None:
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
     if a.prompts:
         return report(prompt_steps(eng, a), a.json)
-    while any(s.num_output_tokens == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+    while bench_router.prefilling(eng):
         eng.step()
     if a.trace:
         return report(trace(eng, a), a.json)

@@ -47,7 +47,6 @@ instead (router_graph.py); a refresh step's observation is that kernel's side ou
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -662,7 +661,7 @@ class KVRouter:
             # long model's 3,840-token prompts (tools/profile_router_step.py --prompts)
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
         if part.start == 0 and kf.shape[0] == n:  # the whole prompt in this step: causal, aligned
-            with sdpa_kernel(NOT_CUDNN) if flash else contextlib.nullcontext():
+            with sdpa_kernel(NOT_CUDNN):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         elif flash:  # a later chunk over every key up to it (none compressed): causal from the bottom right
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, kf.shape[0]), scale=scale,

@@ -112,8 +112,7 @@ class ModelRunner:
         kv_ready (blocks being restored from the cold tier) is called after the host has prepared the
         step and before its first kernel reads the cache."""
         ready = kv_ready or _nothing
-        done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
-        greedy_only = all(batch[i][0].params.greedy for i in done)
+        done, greedy_only = _finishing(batch)
         on_device = greedy_only or (self.graphs is not None and self.graphs.sampling)  # the graph picks them
         picked = None
         if self.router is not None and self.graphs is not None and self.graphs.fits(batch):
@@ -125,11 +124,7 @@ class ModelRunner:
         elif self.router is not None:
             if self.graphs is not None:
                 self.graphs.drop_ahead()
-            input_ids, positions, step = self.prepare(batch, keys=False)
-            step.router = self.router.begin_step(batch)
-            ready()
-            logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
-            self.router.end_step(batch)  # plans demotions: blocks.mark_computed carries them out
+            logits = self._router_eager(batch, ready)
         elif self.graphs is not None and self.graphs.fits(batch):
             ready()
             logits, picked = self.graphs.run(batch, on_device)  # decode: greedy (or sampled) picked on the GPU
@@ -186,22 +181,27 @@ class ModelRunner:
         tokens: list[int | None] = [None] * len(batch)
         for rows, graph in ((prompt_rows, False), (decoding_rows, True)):
             part = [batch[i] for i in rows]
-            done = [i for i, (seq, n) in enumerate(part) if seq.num_computed_tokens + n == len(seq)]
-            greedy_only = all(part[i][0].params.greedy for i in done)
+            done, greedy_only = _finishing(part)
             picked = None
             if graph:
                 logits, picked = self.graphs.run(part, greedy_only)
                 self.router.end_step(part, decoding=True)
             else:
-                input_ids, positions, step = self.prepare(part, keys=False)
-                step.router = self.router.begin_step(part)
-                ready()
-                logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
-                self.router.end_step(part, counted=False)
+                logits = self._router_eager(part, ready, counted=False)
             for i, token in zip(rows, self._tokens(part, logits, picked, greedy_only, done)):
                 tokens[i] = token
         self.last_logits = None
         return tokens
+
+    def _router_eager(self, batch, ready, counted: bool = True) -> torch.Tensor:
+        """A router step's eager forward over batch (attention over both pools, router.py), its logits; its end
+        plans the routing of the prompts it ends (blocks.mark_computed carries their demotions out)."""
+        input_ids, positions, step = self.prepare(batch, keys=False)
+        step.router = self.router.begin_step(batch)
+        ready()
+        logits = self.model(input_ids, positions, self.cos, self.sin, step, self.kv_cache)
+        self.router.end_step(batch, counted=counted)
+        return logits
 
     @torch.inference_mode()
     def prompt_logits(self, seq: Sequence) -> torch.Tensor:
@@ -278,6 +278,12 @@ class ModelRunner:
             kv_slots=kv_slots.to(dev), attn_mask=mask[:, None].to(dev), num_seqs=B, max_q=Q,
             logits_index=last.to(dev), dense=all(n == Q for n in counts))
         return torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), step
+
+
+def _finishing(batch) -> tuple[list[int], bool]:
+    """(the rows of batch whose prompt this step finishes, whether all of those sample greedily)."""
+    done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == len(seq)]
+    return done, all(batch[i][0].params.greedy for i in done)
 
 
 def _nothing() -> None:

@@ -232,7 +232,7 @@ def check_prompt_chunk(chunk, device, dtype, atol, books_atol):
     cfg = RouterConfig("int8", obs_window=5)
     router = KVRouter(cfg, kv.to(device), nblocks, bs, 1)
     seq = Sequence("p", list(range(ctx)), GREEDY)
-    seq.block_table = list(torch.randperm(nblocks, generator=torch.Generator().manual_seed(5))[:-(-ctx // bs)].tolist())
+    seq.block_table = torch.randperm(nblocks, generator=torch.Generator().manual_seed(5))[:-(-ctx // bs)].tolist()
     seq.num_computed_tokens = start
     step = router.begin_step([(seq, n)])
     q = torch.randn(n, H, hd).to(dtype)
