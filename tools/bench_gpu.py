@@ -5,12 +5,13 @@ Every figure is a whole generation timed from outside the engine: B distinct ran
 prompts (a new set for every generation, so prefix reuse never helps), 128 new greedy tokens each
 (--sampled: also sampled ones, seeded: T 1.0; T 0.7, top-p 0.9, top-k 40; T 0.7, top-p 0.9).
   decode tok/s = B * 127 / (end of generation - the moment the last first token arrived)
-  TTFT         = one 128-token prompt alone, request in to first token out
+  TTFT         = one 128-token prompt alone, request in to first token out (sampled kinds: drawn so)
   tokens/J     = generated tokens / NVML board energy over repeated whole generations (>= 3 s)
 llama.cpp figures are parsed from the logs of `.peer/run.sh` (tools/bench_gpu_vs_llamacpp.sh runs it
 in the same device call); transformers runs in this process.
 
-  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--int4-all] [--sampled] [--model DIR]
+  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--int4-all] [--sampled [--sampled-only
+         TEXT]] [--model DIR]
          [--llamacpp BENCH_LOG,ENERGY_LOG] [--skip-hf] [--json OUT] [--plot OUT.png]
 """
 
@@ -65,7 +66,7 @@ class Prompts:
 
 
 # --sampled: what chat clients send: the HTTP door's default (temperature 1.0, no filter), a common chat setting
-# with top-k (the 64 largest logits suffice: no sort), and top-p alone (a sort of the whole vocabulary)
+# with top-k (the 64 largest logits suffice), and top-p alone (its cut selected over the whole vocabulary)
 SAMPLED = {"o3edge sampled (T 1.0)": dict(temperature=1.0),
            "o3edge sampled (T 0.7, top-p 0.9, top-k 40)": dict(temperature=0.7, top_p=0.9, top_k=40),
            "o3edge sampled (T 0.7, top-p 0.9)": dict(temperature=0.7, top_p=0.9)}
@@ -96,9 +97,9 @@ def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192, int4_all=Fals
                                          int4_all=int4_all, int4_lm_head=int4_head,
                                          max_num_batched_tokens=max(2048, PROMPT_LEN * max(batches))))
     prompts = Prompts(model.engine.info.args.vocab_size)
-    generation(model, prompts(2))  # warm-up
+    generation(model, prompts(2), sampling)  # warm-up, of the kind measured (a first draw of its kind compiles)
     ttfts = []
-    params = SamplingParams(max_new_tokens=1)
+    params = SamplingParams(max_new_tokens=1, **(dict(sampling, seed=1) if sampling else {}))
     for _ in range(7):
         ttfts.append(model.generate_batch(prompts(1), params)[0].ttft_s)
     rows = {"ttft_ms": statistics.median(ttfts) * 1e3, "load_s": model.engine.info.load_seconds}
@@ -231,6 +232,8 @@ def main():
     ap.add_argument("--sampled", action="store_true",
                     help="also run o3edge with sampled requests (seeded): T 1.0; T 0.7, top-p 0.9, top-k 40; "
                          "T 0.7, top-p 0.9")
+    ap.add_argument("--sampled-only", metavar="TEXT", help="--sampled: only the kinds whose name holds TEXT, "
+                    "e.g. 'top-p 0.9)' for top-p alone")
     ap.add_argument("--model", help="existing checkpoint dir (default: make one with random weights)")
     ap.add_argument("--llamacpp", help="BENCH_LOG[,ENERGY_LOG] of .peer/run.sh from this same call")
     ap.add_argument("--reuse", help="o3edge figures from an earlier --json of this run (skip re-measuring)")
@@ -273,6 +276,8 @@ def measure(a, batches) -> dict:
         r["systems"]["o3edge INT4-FFN"] = bench_o3(path, a.dtype, batches, energy, int4=True)
         print("o3edge INT4-FFN", json.dumps(r["systems"]["o3edge INT4-FFN"]), flush=True)
     for name, sampling in SAMPLED.items() if a.sampled else ():
+        if a.sampled_only and a.sampled_only not in name:
+            continue
         r["systems"][name] = bench_o3(path, a.dtype, batches, energy, sampling=sampling)
         print(name, json.dumps(r["systems"][name]), flush=True)
     if a.int4_head:

@@ -2,13 +2,16 @@
 """What the graph step's draw of sampled tokens costs on the GPU, by method and by part.
 
 Each variant is captured in a CUDA graph, as in the decode step, and replayed; the figure is µs a replay
-(CUDA events over --replays replays, the median of --repeat). Logits are random float32 [B, V]. Variants:
-the whole draw (sampling.counter_sample) for a batch whose rows are all RACE (no filter), all TOPK (top-k 40,
-top-p 0.9) or all SORT (top-p 0.9), with and without the sort; and its parts alone (torch.topk of
-TOP_K_CAP, torch.sort of the row, the greedy argmax every step already has). The draw's top-k is Triton's
-unless O3EDGE_TRITON_TOPK=0 (torch.topk's, as before; the JSON's "top_k_by" says which).
+(CUDA events over --replays replays, the median of --repeat). Logits are random float32 [B, V], of standard
+deviation --scale (1: a flat row, whose nucleus is most of it). Variants: the whole draw
+(sampling.counter_sample) for a batch whose rows are all RACE (no filter), all TOPK (top-k 40, top-p 0.9), all
+NUCLEUS (top-p 0.9 alone: its cut by selection, kernels/nucleus.py; and the same rows drawn over the sorted row
+as before, METHOD set to SORT) or all SORT (top-k 100), each with the kernels its sampling graph runs; and its
+parts alone (torch.topk of TOP_K_CAP, torch.sort of the row, the greedy argmax every step already has). The
+draw's top-k is Triton's unless O3EDGE_TRITON_TOPK=0 (torch.topk's, as before; the JSON's "top_k_by" says
+which).
 
-  [O3EDGE_TRITON_TOPK=0] python tools/bench_sampling.py [--batches 1,8,32] [--vocab 32000] [--json OUT]
+  [O3EDGE_TRITON_TOPK=0] python tools/bench_sampling.py [--batches 1,8,32] [--vocab 32000] [--scale 3] [--json OUT]
 
 --numpy: the native CPU backend's sampler instead (sampling_np.sample, one row, ms a draw; the sampler of
 --against REV beside it, that revision's sampling_np.py read from git):
@@ -28,12 +31,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from o3edge.engine.sampling import TOP_K_CAP, counter_sample, counter_settings  # noqa: E402
+from o3edge.engine.sampling import (METHOD, SORT, TOP_K_CAP, counter_sample, counter_settings,  # noqa: E402
+                                    sampling_graph)
 from o3edge.engine.sequence import SamplingParams  # noqa: E402
 
 KINDS = {"race (T 1.0)": SamplingParams(temperature=1.0), "topk (T 0.7, top-k 40, top-p 0.9)":
-         SamplingParams(temperature=0.7, top_k=40, top_p=0.9), "sort (T 0.7, top-p 0.9)":
-         SamplingParams(temperature=0.7, top_p=0.9)}
+         SamplingParams(temperature=0.7, top_k=40, top_p=0.9), "nucleus (T 0.7, top-p 0.9)":
+         SamplingParams(temperature=0.7, top_p=0.9), "sort (T 0.8, top-k 100)": SamplingParams(temperature=0.8,
+                                                                                              top_k=100)}
 
 
 def replay_us(fn, replays: int, repeat: int) -> float:
@@ -78,6 +83,8 @@ def numpy_ms(a) -> dict:
     logits = (np.random.default_rng(0).standard_normal((1, a.vocab)) * a.scale).astype(np.float32)
     out = {}
     for name, params in KINDS.items():
+        if name.startswith("sort"):  # the CPU sampler has no such way
+            continue
         for label, module in samplers.items():
             rngs = [module.make_rng(params, 1)]
             times = []
@@ -101,7 +108,7 @@ def main():
     ap.add_argument("--numpy", action="store_true", help="the native CPU backend's sampler (ms a draw)")
     ap.add_argument("--against", help="--numpy: also the sampler of this git revision")
     ap.add_argument("--scale", type=float, default=3.0,
-                    help="--numpy: the logits' standard deviation (1: a flat row, whose nucleus is most of it)")
+                    help="the logits' standard deviation (1: a flat row, whose nucleus is most of it)")
     a = ap.parse_args()
     if a.numpy:
         out = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "vocab": a.vocab, "scale": a.scale,
@@ -112,10 +119,10 @@ def main():
         return
     dev = torch.device("cuda")
     out = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"),
-           "command": " ".join(sys.argv), "vocab": a.vocab,
+           "command": " ".join(sys.argv), "vocab": a.vocab, "scale": a.scale,
            "top_k_by": "torch.topk" if os.environ.get("O3EDGE_TRITON_TOPK") == "0" else "triton", "us": {}}
     for B in [int(b) for b in a.batches.split(",")]:
-        logits = torch.randn(B, a.vocab, device=dev) * 3
+        logits = torch.randn(B, a.vocab, device=dev) * a.scale
         greedy = logits.argmax(-1)
         seeds, counters = torch.arange(B, device=dev), torch.full((B,), 7, device=dev)
         row = {"greedy argmax": replay_us(lambda: logits.argmax(-1), a.replays, a.repeat),
@@ -125,12 +132,17 @@ def main():
         row["draw race alone (no topk, no sort)"] = replay_us(
             lambda: counter_sample(logits, greedy, race, seeds, counters, topk=False, sort=False), a.replays, a.repeat)
         for name, params in KINDS.items():
-            cfg = torch.tensor(counter_settings([params] * B, a.vocab), dtype=torch.float32, device=dev)
-            for sort in (False, True):
-                if name.startswith("sort") and not sort:
-                    continue
-                fn = (lambda c=cfg, s=sort: counter_sample(logits, greedy, c, seeds, counters, sort=s))
-                row[f"draw {name}{' + sort' if sort else ''}"] = replay_us(fn, a.replays, a.repeat)
+            rows = counter_settings([params] * B, a.vocab)
+            cfg = torch.tensor(rows, dtype=torch.float32, device=dev)
+            graph = sampling_graph(rows)  # the kernels the decode step's sampling graph runs for such a batch
+            fn = (lambda c=cfg, g=graph: counter_sample(logits, greedy, c, seeds, counters, nucleus=g >= 2,
+                                                        sort=g == 3))
+            row[f"draw {name}"] = replay_us(fn, a.replays, a.repeat)
+            if name.startswith("nucleus"):  # the same rows over the sorted row, as before the cut
+                by_sort = cfg.clone()
+                by_sort[:, METHOD] = SORT
+                fn = (lambda c=by_sort: counter_sample(logits, greedy, c, seeds, counters, nucleus=False))
+                row[f"draw {name} by the sort"] = replay_us(fn, a.replays, a.repeat)
         out["us"][B] = {k: round(v, 2) for k, v in row.items()}
         print(f"B={B}", json.dumps(out["us"][B]), flush=True)
     print("\n| part (µs a replay) | " + " | ".join(f"B={b}" for b in out["us"]) + " |")

@@ -109,9 +109,11 @@ def router(a) -> list:
 
 
 def sampling(a) -> list:
-    """The graph step's draw (kernels/counter_draw.py) for a batch of --batch rows over a vocabulary of --n,
-    every way (RACE, TOPK, SORT): its kernels' launches do nothing here, so that each is compiled."""
+    """The graph step's draw (kernels/counter_draw.py, kernels/nucleus.py) for a batch of --batch rows over a
+    vocabulary of --n, every way (RACE, TOPK, NUCLEUS, SORT): its kernels' launches do nothing here, so that
+    each is compiled."""
     from o3edge.engine.kernels import counter_draw as cd
+    from o3edge.engine.kernels import nucleus as nu
     from o3edge.engine.sampling import counter_settings
     from o3edge.engine.sequence import SamplingParams
 
@@ -128,17 +130,18 @@ def sampling(a) -> list:
                         print(f"compile failed: {e}", file=sys.stderr)
             return launch
 
-    fns = [cd._race_kernel, cd._block_top_kernel, cd._topk_draw_kernel, cd._filtered_kernel, cd._pick_kernel]
-    for fn in fns:
-        setattr(cd, fn.__name__, Compiles(fn))
+    fns = [(cd, cd._race_kernel), (cd, cd._block_top_kernel), (cd, cd._topk_draw_kernel), (cd, cd._filtered_kernel),
+           (cd, cd._pick_kernel), (nu, nu._level_kernel), (nu, nu._resolve_kernel)]
+    for module, fn in fns:
+        setattr(module, fn.__name__, Compiles(fn))
     kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=40), SamplingParams(top_p=0.9,
-                                                                                                       temperature=1)]
+             temperature=1), SamplingParams(temperature=0.8, top_k=100)]
     cfg = torch.tensor(counter_settings((kinds * a.batch)[:a.batch], a.n), dtype=torch.float32)
     logits = torch.randn(a.batch, a.n)
     cd.draw(logits, logits.argmax(-1), cfg, torch.arange(a.batch), torch.arange(a.batch))
-    for fn in fns:
-        setattr(cd, fn.__name__, fn)
-    return compiled(*fns)
+    for module, fn in fns:
+        setattr(module, fn.__name__, fn)
+    return compiled(*(fn for _, fn in fns))
 
 
 def attention(a) -> list:

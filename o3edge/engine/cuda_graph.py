@@ -27,7 +27,7 @@ import torch
 
 from o3edge.engine.decode_step import decode_forward
 from o3edge.engine.kernels import num_sms
-from o3edge.engine.sampling import METHOD, SORT, counter_sample, counter_settings
+from o3edge.engine.sampling import counter_sample, counter_settings, sampling_graph
 from o3edge.engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -159,9 +159,9 @@ class DecodeGraphs:
         self.memo: dict[int, tuple] = {}  # seq_id -> (its table entries, what fill_meta made of them: cached)
         self.num_steps = self.num_ahead_taken = 0
         # sampled rows drawn inside the graph (sampling.counter_sample), steps with any such row replaying a
-        # graph of their own a bucket and parity (two: with a sort of the whole vocabulary for rows whose top-p
-        # needs it, and without), launched ahead like greedy ones (O3EDGE_GRAPH_SAMPLING=0: sampled after the
-        # graph, never launched ahead). Their settings come in beside the metadata, from two host buffers.
+        # graph of their own a bucket and parity (three: with the top-p cut of rows with top-p alone, with that
+        # and a sort of the whole vocabulary for rows of a top-k above TOP_K_CAP, and with neither), launched
+        # ahead like greedy ones (O3EDGE_GRAPH_SAMPLING=0: sampled after the graph, never launched ahead). Their settings come in beside the metadata, from two host buffers.
         self.sampling = os.environ.get("O3EDGE_GRAPH_SAMPLING", "1") != "0" and (
             dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")  # Triton kernels (uncaptured on a CPU)
         self.vocab = runner.args.vocab_size
@@ -192,13 +192,13 @@ class DecodeGraphs:
         (observe: the token router's observing step, router_graph.py.)"""
         B, parity, sampled = key[0], key[1], len(key) > 2
         self.meta[:B].copy_(self.meta_host[parity][:B], non_blocking=True)
-        if sampled:  # (B, parity, 1 or 2): the rows' sampling settings and seeds too
+        if sampled:  # (B, parity, 1, 2 or 3): the rows' sampling settings and seeds too
             self.samp[:B].copy_(self.samp_host[parity][:B], non_blocking=True)
             self.seeds[:B].copy_(self.seeds_host[parity][:B], non_blocking=True)
         logits, tokens = self._decode(B, observe)
         if sampled:  # the counter: each row's position (its draw is the same on every path: runner.py)
             tokens = counter_sample(logits, tokens, self.samp[:B], self.seeds[:B], self.meta[:B, 1],
-                                    sort=key[2] == 2)
+                                    nucleus=key[2] >= 2, sort=key[2] == 3)
             self.last[:B].copy_(tokens)  # a launched-ahead step's input tokens
         self.tokens_hosts[parity][:B].copy_(tokens, non_blocking=True)
         return logits, tokens
@@ -211,9 +211,10 @@ class DecodeGraphs:
 
     def graph_keys(self) -> list[tuple[int, int]]:
         """(bucket, parity): a graph per batch bucket and host buffer; with graph sampling also (bucket,
-        parity, 1), the step that samples, and (bucket, parity, 2), the one that sorts for it too."""
+        parity, 1), the step that samples, (bucket, parity, 2), the one that cuts top-p rows too, and
+        (bucket, parity, 3), the one that also sorts (sampling_graph)."""
         keys = [(b, parity) for b in self.batch_buckets for parity in (0, 1)]
-        return keys + [(*k, s) for s in (1, 2) for k in keys] if self.sampling else keys
+        return keys + [(*k, s) for s in (1, 2, 3) for k in keys] if self.sampling else keys
 
     def capture_all(self) -> None:
         """Capture the graphs (thread-local capture errors: the pinned-memory allocator queries its events
@@ -273,13 +274,13 @@ class DecodeGraphs:
 
     def _fill_sampling(self, parity: int, batch, B: int) -> int:
         """Host buffer `parity`'s sampling settings and seeds for batch (padding rows greedy); the sampling
-        graph the step takes: 2 where a row draws over the sorted vocabulary, else 1."""
+        graph the step takes (sampling_graph)."""
         n, samp = len(batch), self.samp_host[parity]
         rows = counter_settings([seq.params for seq, _ in batch], self.vocab)
         samp[:n] = torch.tensor(rows)
         samp[n:B] = self.greedy_row
         self.seeds_host[parity][:n] = torch.tensor([self.runner.seed_of(seq) for seq, _ in batch])
-        return 2 if any(row[METHOD] == SORT for row in rows) else 1
+        return sampling_graph(rows)
 
     def _continues(self, batch) -> bool:
         """Whether a step for this batch one token on may be queued: every sequence is greedy (or drawn in the

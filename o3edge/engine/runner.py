@@ -16,7 +16,7 @@ from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.prefill_graph import PrefillGraphs
 from o3edge.engine.rope import rope_tables
 from o3edge.engine.sampling import counter_sample, counter_settings, make_generator, pick_tokens
-from o3edge.engine.sequence import Sequence
+from o3edge.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ class ModelRunner:
             self.graphs.capture_all()
             if self.prefill_graphs is not None:
                 self.prefill_graphs.capture_all()
+            if self.graphs.sampling:
+                self.warm_counter_draw()
 
     def enable_router(self, cfg, graph_batch: int = 0) -> None:
         """Token router on (engine/router.py): steps run the model's eager forward, attention over both
@@ -221,10 +223,23 @@ class ModelRunner:
         return pick_tokens(batch, logits, lambda seq: seq, self._counter_rows)  # a row's "generator": its sequence
 
     def _counter_rows(self, rows: torch.Tensor, params: list, seqs: list[Sequence]) -> list[int]:
+        return self._counter_draw(rows, params, [[self.seed_of(s), len(s) - 1] for s in seqs])
+
+    @staticmethod
+    def _counter_draw(rows: torch.Tensor, params: list, seeds_counters: list[list[int]]) -> list[int]:
         dev = rows.device
         cfg = torch.tensor(counter_settings(params, rows.shape[1]), dtype=torch.float32)
-        ints = torch.tensor([[self.seed_of(s), len(s) - 1] for s in seqs], dtype=torch.long).to(dev)
+        ints = torch.tensor(seeds_counters, dtype=torch.long).to(dev)
         return counter_sample(rows, rows.argmax(dim=-1), cfg.to(dev), ints[:, 0], ints[:, 1]).tolist()
+
+    def warm_counter_draw(self) -> None:
+        """Compile the eager draw of a prompt's first sampled token now (_counter_rows: Triton compiles a kernel
+        at its first launch, and these launches are not the captured graphs'): on the H200 the first sampled
+        request after a start waited 2.5 s for it, and every stream with it (docs/benchmarks.md)."""
+        V = self.args.vocab_size
+        kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=1),
+                 SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, top_k=max(1, V - 1))]
+        self._counter_draw(torch.zeros(len(kinds), V, device=self.device), kinds, [[0, 0]] * len(kinds))
 
     def _generator(self, seq: Sequence):
         if seq.seq_id not in self.generators:

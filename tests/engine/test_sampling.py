@@ -115,6 +115,49 @@ def test_counter_draw_methods_agree_where_they_overlap(triton_topk, monkeypatch)
         assert len(set(cheap.tolist())) > 4  # draws, not the argmax
 
 
+def _nucleus_reference(logits: torch.Tensor, t: float, top_p: float, seeds, counters) -> list[int]:
+    """The counter draw of top-p rows by the definition: the best x / T + G over the tokens a stable sort of
+    each row keeps (descending value, lower id first among equal ones; kept while the mass before is under
+    top_p, summed in float64)."""
+    from o3edge.engine.kernels.noise import gumbel_noise
+
+    v = logits / t
+    g = gumbel_noise(seeds.to(KERNEL_DEVICE), counters.to(KERNEL_DEVICE), vocab=logits.shape[1]).cpu()
+    out = []
+    for r in range(len(v)):
+        order = torch.sort(-v[r], stable=True).indices
+        w = torch.exp(v[r].double() - v[r].max().double())[order]
+        kept = order[(w.cumsum(0) - w) < top_p * w.sum()]
+        out.append(kept[(v[r, kept] + g[r, kept]).argmax()].item())
+    return out
+
+
+@pytest.mark.parametrize("rows", ["flat", "peaked", "tied", "all equal"])
+def test_top_p_alone_is_cut_without_a_sort_exactly_where_the_sorted_row_is_cut(rows):
+    """A row with top-p and no top-k is drawn over the tokens a cut keeps, found by selection instead of a
+    sort of the row (kernels/nucleus.py): its token is the definition's, for rows whose nucleus is most of
+    the vocabulary (flat), a few tokens (peaked), and rows of many equal logits (bfloat16 logits; all equal),
+    where the cut falls among equal tokens and keeps the lower ids; and it equals the sorting draw's."""
+    pytest.importorskip("triton")
+    from o3edge.engine.sampling import METHOD, NUCLEUS, SORT, counter_sample, counter_settings
+
+    V, n, dev = 5000, 6, KERNEL_DEVICE  # three blocks of the select's 2,048 tokens, the last one partial
+    gen = torch.Generator().manual_seed(3)
+    logits = {"flat": torch.randn(n, V, generator=gen) * 0.5, "peaked": torch.randn(n, V, generator=gen) * 4,
+              "tied": (torch.randn(n, V, generator=gen) * 0.05).bfloat16().float(),
+              "all equal": torch.zeros(n, V)}[rows]
+    seeds, counters = torch.arange(n) + 11, torch.full((n,), 40)
+    for t, top_p in ((0.7, 0.9), (1.0, 0.05), (1.3, 0.5), (0.9, 0.999)):
+        cfg = torch.tensor(counter_settings([SamplingParams(temperature=t, top_p=top_p)] * n, V), dtype=torch.float32)
+        assert (cfg[:, METHOD] == NUCLEUS).all()
+        args = [x.to(dev) for x in (logits, logits.argmax(-1), cfg, seeds, counters)]
+        got = counter_sample(*args, sort=False).cpu().tolist()
+        assert got == _nucleus_reference(logits, t, top_p, seeds, counters), (t, top_p)
+        if rows in ("flat", "peaked"):  # the sort orders equal logits as it likes
+            args[2][:, METHOD] = SORT
+            assert counter_sample(*args).cpu().tolist() == got
+
+
 def test_counter_draws_of_a_mixed_batch_are_each_rows_own():
     """Greedy rows and rows of every method in one call: each row's token is the one it gets alone."""
     pytest.importorskip("triton")

@@ -1,14 +1,16 @@
 """The graph step's draw of sampled tokens (sampling.counter_sample) in a few kernels.
 
 A sampled token is argmax(x / T + G) over the tokens a request's filters keep (x its logits, G the counter
-Gumbel noise of kernels/noise.py). A row is drawn one of three ways, by its own settings (sampling.py, METHOD):
+Gumbel noise of kernels/noise.py). A row is drawn one of four ways, by its own settings (sampling.py, METHOD):
 - RACE, no filter: one pass over the vocabulary, each block's best, then the best of those (_race_kernel);
+- NUCLEUS, top-p alone: the same pass over the tokens its cut keeps, the cut found by selection, not by a sort
+  (kernels/nucleus.py); drawn over the sorted row before, top-p alone decoded 0.85-0.88x as fast as greedy;
 - TOPK, a top-k within TOP_K_CAP: over each block's largest by Triton's bitonic top-k (_block_top_kernel),
   then the largest of those (_topk_draw_kernel); with O3EDGE_TRITON_TOPK=0, over torch.topk's largest logits
   (_filtered_kernel), as before: on the H200 torch.topk took ~48-63 µs a step at batch 1-32
   (tools/bench_sampling.py), more than the rest of the draw, and Triton's made whole sampled generations
   1-6% faster (T 1.0 at batch 1: 1,213 -> 1,286 tok/s, greedy 1,309; docs/results/gpu-2026-12-03h/);
-- SORT, top-p alone or a larger top-k: over the whole sorted row (_filtered_kernel again).
+- SORT, a top-k above TOP_K_CAP (with or without top-p): over the whole sorted row (_filtered_kernel again).
 _filtered_kernel and _topk_draw_kernel take candidates in descending order and filter them by one rule
 (_block_draw): top-k keeps those at least the k-th (ties too), top-p the first whose mass before them is
 under top_p (over the probabilities renormalised after top-k), and the draw is the best score among them.
@@ -26,21 +28,27 @@ import triton
 import triton.language as tl
 
 from o3edge.engine.kernels.noise import _gumbel
-from o3edge.engine.sampling import GREEDY, KTH, METHOD, RACE, SORT, TEMPERATURE, TOP_K_CAP, TOP_P, TOPK
+from o3edge.engine.kernels.nucleus import cut_keeps, nucleus_cut, order_key
+from o3edge.engine.sampling import GREEDY, KTH, METHOD, NUCLEUS, RACE, SORT, TEMPERATURE, TOP_K_CAP, TOP_P, TOPK
 
 RACE_BLOCK = 1024
 TOP_BLOCK = 2048  # a block of logits whose TOP_K_CAP largest are a TOPK row's candidates
 
 
 @triton.jit
-def _race_kernel(x_ptr, cfg_ptr, seed_ptr, counter_ptr, val_ptr, idx_ptr, V, stride_x, stride_cfg, stride_seed,
-                 stride_counter, BLOCKS, T_COL: tl.constexpr, BLOCK: tl.constexpr):
+def _race_kernel(x_ptr, cfg_ptr, seed_ptr, counter_ptr, cut_ptr, val_ptr, idx_ptr, V, stride_x, stride_cfg,
+                 stride_seed, stride_counter, BLOCKS, T_COL: tl.constexpr, M_COL: tl.constexpr, CUT: tl.constexpr,
+                 CUT_ID: tl.constexpr, BLOCK: tl.constexpr):
     row, blk = tl.program_id(0), tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < V
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     t = tl.load(cfg_ptr + row * stride_cfg + T_COL)
-    score = tl.where(mask, x / t + _gumbel(seed_ptr, counter_ptr, row, stride_seed, stride_counter, offs),
+    v = x / t
+    if CUT:  # a NUCLEUS row keeps what its cut keeps (kernels/nucleus.py)
+        if tl.load(cfg_ptr + row * stride_cfg + M_COL) == CUT_ID:
+            mask = mask & cut_keeps(order_key(v), offs, cut_ptr, row)
+    score = tl.where(mask, v + _gumbel(seed_ptr, counter_ptr, row, stride_seed, stride_counter, offs),
                      float("-inf"))
     tl.store(val_ptr + row * BLOCKS + blk, tl.max(score, axis=0))
     tl.store(idx_ptr + row * BLOCKS + blk, blk * BLOCK + tl.argmax(score, axis=0))
@@ -142,31 +150,36 @@ def _topk_draw_kernel(top_ptr, cfg_ptr, seed_ptr, counter_ptr, out_ptr, BLOCKS, 
 
 @triton.jit
 def _pick_kernel(cfg_ptr, greedy_ptr, val_ptr, idx_ptr, drawn_ptr, out_ptr, stride_cfg, BLOCKS,
-                 G_COL: tl.constexpr, M_COL: tl.constexpr, RACE_ID: tl.constexpr, BLOCKS_P2: tl.constexpr):
+                 G_COL: tl.constexpr, M_COL: tl.constexpr, RACE_ID: tl.constexpr, CUT_ID: tl.constexpr,
+                 BLOCKS_P2: tl.constexpr):
     row = tl.program_id(0)
     cfg = cfg_ptr + row * stride_cfg
     offs = tl.arange(0, BLOCKS_P2)
     val = tl.load(val_ptr + row * BLOCKS + offs, mask=offs < BLOCKS, other=float("-inf"))
     raced = tl.load(idx_ptr + row * BLOCKS + tl.argmax(val, axis=0)).to(tl.int64)
-    token = tl.where(tl.load(cfg + M_COL) == RACE_ID, raced, tl.load(drawn_ptr + row))
+    method = tl.load(cfg + M_COL)
+    token = tl.where((method == RACE_ID) | (method == CUT_ID), raced, tl.load(drawn_ptr + row))
     token = tl.where(tl.load(cfg + G_COL) > 0, tl.load(greedy_ptr + row).to(tl.int64), token)
     tl.store(out_ptr + row, token)
 
 
 def draw(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-         topk: bool = True, sort: bool = True) -> torch.Tensor:
+         topk: bool = True, nucleus: bool = True, sort: bool = True) -> torch.Tensor:
     """sampling.counter_sample's tokens [B] (int64): logits [B, V] (rows strided, columns not), greedy [B] the
     rows' argmax, cfg float32 [B, 5] (sampling.counter_settings, contiguous rows), seeds and counters [B]
-    (strided views will do); topk=False and sort=False leave TOPK and SORT rows undrawn (no such row in the
-    batch)."""
+    (strided views will do); topk=False, nucleus=False and sort=False leave TOPK, NUCLEUS and SORT rows
+    undrawn (no such row in the batch)."""
     B, V = logits.shape
     dev = logits.device
     blocks = triton.cdiv(V, RACE_BLOCK)
     val = torch.empty(B, blocks, dtype=torch.float32, device=dev)
     idx = torch.empty(B, blocks, dtype=torch.int32, device=dev)
     strides = (cfg.stride(0), seeds.stride(0), counters.stride(0))
-    _race_kernel[(B, blocks)](logits, cfg, seeds, counters, val, idx, V, logits.stride(0), *strides, blocks,
-                              T_COL=TEMPERATURE, BLOCK=RACE_BLOCK, num_warps=4)
+    cut = nucleus_cut(logits, greedy, cfg, NUCLEUS, dict(T_COL=TEMPERATURE, P_COL=TOP_P, M_COL=METHOD)) \
+        if nucleus else None
+    _race_kernel[(B, blocks)](logits, cfg, seeds, counters, cut, val, idx, V, logits.stride(0), *strides, blocks,
+                              T_COL=TEMPERATURE, M_COL=METHOD, CUT=nucleus, CUT_ID=NUCLEUS, BLOCK=RACE_BLOCK,
+                              num_warps=4)
     drawn = torch.empty(B, dtype=torch.long, device=dev)
     cols = dict(T_COL=TEMPERATURE, K_COL=KTH, P_COL=TOP_P, M_COL=METHOD)
     if topk and os.environ.get("O3EDGE_TRITON_TOPK") != "0":  # each block's TOP_K_CAP largest, then the draw
@@ -188,5 +201,5 @@ def draw(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor, seeds: t
                                MINE=SORT, BLOCK=2048, num_warps=8, **cols)
     out = torch.empty(B, dtype=torch.long, device=dev)
     _pick_kernel[(B,)](cfg, greedy, val, idx, drawn, out, cfg.stride(0), blocks, G_COL=GREEDY, M_COL=METHOD,
-                       RACE_ID=RACE, BLOCKS_P2=triton.next_power_of_2(blocks), num_warps=1)
+                       RACE_ID=RACE, CUT_ID=NUCLEUS, BLOCKS_P2=triton.next_power_of_2(blocks), num_warps=1)
     return out
