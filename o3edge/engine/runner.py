@@ -15,7 +15,7 @@ from o3edge.engine.cuda_graph import DecodeGraphs
 from o3edge.engine.model import StepBatch, Transformer
 from o3edge.engine.prefill_graph import PrefillGraphs
 from o3edge.engine.rope import rope_tables
-from o3edge.engine.sampling import counter_sample, counter_settings, make_generator, pick_tokens
+from o3edge.engine.sampling import counter_sample, counter_settings, make_generator, pick_tokens, ways_needed
 from o3edge.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
@@ -227,19 +227,23 @@ class ModelRunner:
 
     @staticmethod
     def _counter_draw(rows: torch.Tensor, params: list, seeds_counters: list[list[int]]) -> list[int]:
+        """counter_sample's tokens for rows, running only the ways (kernels) these rows' settings take."""
         dev = rows.device
-        cfg = torch.tensor(counter_settings(params, rows.shape[1]), dtype=torch.float32)
+        settings = counter_settings(params, rows.shape[1])
+        cfg = torch.tensor(settings, dtype=torch.float32)
         ints = torch.tensor(seeds_counters, dtype=torch.long).to(dev)
-        return counter_sample(rows, rows.argmax(dim=-1), cfg.to(dev), ints[:, 0], ints[:, 1]).tolist()
+        return counter_sample(rows, rows.argmax(dim=-1), cfg.to(dev), ints[:, 0], ints[:, 1],
+                              **ways_needed(settings)).tolist()
 
     def warm_counter_draw(self) -> None:
         """Compile the eager draw of a prompt's first sampled token now (_counter_rows: Triton compiles a kernel
         at its first launch, and these launches are not the captured graphs'): on the H200 the first sampled
-        request after a start waited 2.5 s for it, and every stream with it (docs/benchmarks.md)."""
+        request after a start waited 2.5 s for it, and every stream with it (docs/benchmarks.md). One row of
+        each way alone, as each runs its own kernels."""
         V = self.args.vocab_size
-        kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=1),
-                 SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, top_k=max(1, V - 1))]
-        self._counter_draw(torch.zeros(len(kinds), V, device=self.device), kinds, [[0, 0]] * len(kinds))
+        for kind in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=1),
+                     SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, top_k=max(1, V - 1))):
+            self._counter_draw(torch.zeros(1, V, device=self.device), [kind], [[0, 0]])
 
     def _generator(self, seq: Sequence):
         if seq.seq_id not in self.generators:

@@ -97,6 +97,12 @@ def counter_settings(params: list[SamplingParams], V: int) -> list[list[float]]:
     return rows
 
 
+def ways_needed(rows: list[list[float]]) -> dict:
+    """counter_sample's flags for a batch of counter_settings rows: only the ways some row takes."""
+    methods = {row[METHOD] for row in rows}
+    return dict(topk=TOPK in methods, nucleus=NUCLEUS in methods, sort=SORT in methods)
+
+
 def sampling_graph(rows: list[list[float]]) -> int:
     """Which draw a batch of counter_settings rows needs: 3 with a SORT row (the sort, and the cut of NUCLEUS
     rows), 2 with a NUCLEUS row (the cut), else 1 (RACE and TOPK rows only)."""
