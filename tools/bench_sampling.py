@@ -5,9 +5,9 @@ Each variant is captured in a CUDA graph, as in the decode step, and replayed; t
 (CUDA events over --replays replays, the median of --repeat). Logits are random float32 [B, V], of standard
 deviation --scale (1: a flat row, whose nucleus is most of it). Variants: the whole draw
 (sampling.counter_sample) for a batch whose rows are all RACE (no filter), all TOPK (top-k 40, top-p 0.9), all
-NUCLEUS (top-p 0.9 alone: its cut by selection, kernels/nucleus.py; and the same rows drawn over the sorted row
-as before, METHOD set to SORT) or all SORT (top-k 100), each with the kernels its sampling graph runs; and its
-parts alone (torch.topk of TOP_K_CAP, torch.sort of the row, the greedy argmax every step already has). The
+NUCLEUS (top-p 0.9 alone: its cut by selection, kernels/nucleus.py) or all WIDE_TOPK (top-k 100, and with top-p
+0.9: the k-th largest selected, then the cut), each with the kernels its sampling graph runs; and its parts
+alone (torch.topk of TOP_K_CAP, torch.sort of the row, the greedy argmax every step already has). The
 draw's top-k is Triton's unless O3EDGE_TRITON_TOPK=0 (torch.topk's, as before; the JSON's "top_k_by" says
 which).
 
@@ -31,14 +31,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from o3edge.engine.sampling import (METHOD, SORT, TOP_K_CAP, counter_sample, counter_settings,  # noqa: E402
-                                    sampling_graph)
+from o3edge.engine.sampling import TOP_K_CAP, counter_sample, counter_settings, ways_needed  # noqa: E402
 from o3edge.engine.sequence import SamplingParams  # noqa: E402
 
 KINDS = {"race (T 1.0)": SamplingParams(temperature=1.0), "topk (T 0.7, top-k 40, top-p 0.9)":
          SamplingParams(temperature=0.7, top_k=40, top_p=0.9), "nucleus (T 0.7, top-p 0.9)":
-         SamplingParams(temperature=0.7, top_p=0.9), "sort (T 0.8, top-k 100)": SamplingParams(temperature=0.8,
-                                                                                              top_k=100)}
+         SamplingParams(temperature=0.7, top_p=0.9), "wide top-k (T 0.8, top-k 100)": SamplingParams(
+             temperature=0.8, top_k=100), "wide top-k (T 0.8, top-k 100, top-p 0.9)": SamplingParams(
+             temperature=0.8, top_k=100, top_p=0.9)}
 
 
 def replay_us(fn, replays: int, repeat: int) -> float:
@@ -83,7 +83,7 @@ def numpy_ms(a) -> dict:
     logits = (np.random.default_rng(0).standard_normal((1, a.vocab)) * a.scale).astype(np.float32)
     out = {}
     for name, params in KINDS.items():
-        if name.startswith("sort"):  # the CPU sampler has no such way
+        if name.startswith("wide"):  # the CPU sampler has no such way
             continue
         for label, module in samplers.items():
             rngs = [module.make_rng(params, 1)]
@@ -129,20 +129,15 @@ def main():
                f"torch.topk {TOP_K_CAP}": replay_us(lambda: torch.topk(logits, TOP_K_CAP, dim=-1), a.replays, a.repeat),
                "torch.sort": replay_us(lambda: torch.sort(logits, dim=-1, descending=True), a.replays, a.repeat)}
         race = torch.tensor(counter_settings([KINDS["race (T 1.0)"]] * B, a.vocab), dtype=torch.float32, device=dev)
-        row["draw race alone (no topk, no sort)"] = replay_us(
-            lambda: counter_sample(logits, greedy, race, seeds, counters, topk=False, sort=False), a.replays, a.repeat)
+        row["draw race alone (no top-k, no cut)"] = replay_us(
+            lambda: counter_sample(logits, greedy, race, seeds, counters, topk=False, nucleus=False, wide=False),
+            a.replays, a.repeat)
         for name, params in KINDS.items():
             rows = counter_settings([params] * B, a.vocab)
             cfg = torch.tensor(rows, dtype=torch.float32, device=dev)
-            graph = sampling_graph(rows)  # the kernels the decode step's sampling graph runs for such a batch
-            fn = (lambda c=cfg, g=graph: counter_sample(logits, greedy, c, seeds, counters, nucleus=g >= 2,
-                                                        sort=g == 3))
+            ways = dict(ways_needed(rows), topk=True)  # what the decode step's sampling graph runs for them
+            fn = (lambda c=cfg, w=ways: counter_sample(logits, greedy, c, seeds, counters, **w))
             row[f"draw {name}"] = replay_us(fn, a.replays, a.repeat)
-            if name.startswith("nucleus"):  # the same rows over the sorted row, as before the cut
-                by_sort = cfg.clone()
-                by_sort[:, METHOD] = SORT
-                fn = (lambda c=by_sort: counter_sample(logits, greedy, c, seeds, counters, nucleus=False))
-                row[f"draw {name} by the sort"] = replay_us(fn, a.replays, a.repeat)
         out["us"][B] = {k: round(v, 2) for k, v in row.items()}
         print(f"B={B}", json.dumps(out["us"][B]), flush=True)
     print("\n| part (µs a replay) | " + " | ".join(f"B={b}" for b in out["us"]) + " |")

@@ -110,7 +110,7 @@ def router(a) -> list:
 
 def sampling(a) -> list:
     """The graph step's draw (kernels/counter_draw.py, kernels/nucleus.py) for a batch of --batch rows over a
-    vocabulary of --n, every way (RACE, TOPK, NUCLEUS, SORT): its kernels' launches do nothing here, so that
+    vocabulary of --n, every way (RACE, TOPK, NUCLEUS, WIDE_TOPK): its kernels' launches do nothing here, so that
     each is compiled."""
     from o3edge.engine.kernels import counter_draw as cd
     from o3edge.engine.kernels import nucleus as nu

@@ -160,8 +160,9 @@ class DecodeGraphs:
         self.num_steps = self.num_ahead_taken = 0
         # sampled rows drawn inside the graph (sampling.counter_sample), steps with any such row replaying a
         # graph of their own a bucket and parity (three: with the top-p cut of rows with top-p alone, with that
-        # and a sort of the whole vocabulary for rows of a top-k above TOP_K_CAP, and with neither), launched
-        # ahead like greedy ones (O3EDGE_GRAPH_SAMPLING=0: sampled after the graph, never launched ahead). Their settings come in beside the metadata, from two host buffers.
+        # and a selection of the k-th largest for rows of a top-k above TOP_K_CAP, and with neither), launched
+        # ahead like greedy ones (O3EDGE_GRAPH_SAMPLING=0: sampled after the graph, never launched ahead). Their
+        # settings come in beside the metadata, from two host buffers.
         self.sampling = os.environ.get("O3EDGE_GRAPH_SAMPLING", "1") != "0" and (
             dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")  # Triton kernels (uncaptured on a CPU)
         self.vocab = runner.args.vocab_size
@@ -198,7 +199,7 @@ class DecodeGraphs:
         logits, tokens = self._decode(B, observe)
         if sampled:  # the counter: each row's position (its draw is the same on every path: runner.py)
             tokens = counter_sample(logits, tokens, self.samp[:B], self.seeds[:B], self.meta[:B, 1],
-                                    nucleus=key[2] >= 2, sort=key[2] == 3)
+                                    nucleus=key[2] >= 2, wide=key[2] == 3)
             self.last[:B].copy_(tokens)  # a launched-ahead step's input tokens
         self.tokens_hosts[parity][:B].copy_(tokens, non_blocking=True)
         return logits, tokens
@@ -212,7 +213,7 @@ class DecodeGraphs:
     def graph_keys(self) -> list[tuple[int, int]]:
         """(bucket, parity): a graph per batch bucket and host buffer; with graph sampling also (bucket,
         parity, 1), the step that samples, (bucket, parity, 2), the one that cuts top-p rows too, and
-        (bucket, parity, 3), the one that also sorts (sampling_graph)."""
+        (bucket, parity, 3), the one that also selects a large top-k's k-th largest (sampling_graph)."""
         keys = [(b, parity) for b in self.batch_buckets for parity in (0, 1)]
         return keys + [(*k, s) for s in (1, 2, 3) for k in keys] if self.sampling else keys
 

@@ -78,9 +78,9 @@ def _filtered(logits: torch.Tensor, cfg: torch.Tensor, kmax: int, top_p: bool) -
 TEMPERATURE, KTH, TOP_P, GREEDY, METHOD = range(5)
 # how counter_sample draws a row, chosen by the row's own settings (never by the batch): over the whole
 # vocabulary with no filter (RACE), over the TOP_K_CAP largest logits (a top-k of at most that many, with or
-# without top-p), over the whole vocabulary past a cut found without a sort (NUCLEUS: top-p alone), or over
-# the whole sorted vocabulary (SORT: a larger top-k, with or without top-p)
-RACE, TOPK, SORT, NUCLEUS = range(4)
+# without top-p), or over the whole vocabulary past a cut found by selection, without a sort (NUCLEUS: top-p
+# alone; WIDE_TOPK: a larger top-k, with or without top-p)
+RACE, TOPK, WIDE_TOPK, NUCLEUS = range(4)
 TOP_K_CAP = 64
 
 
@@ -91,7 +91,7 @@ def counter_settings(params: list[SamplingParams], V: int) -> list[list[float]]:
     for p in params:
         k = p.top_k if 0 < p.top_k < V else V
         method = (RACE if k == V and p.top_p >= 1.0 else TOPK if k <= min(TOP_K_CAP, V) else NUCLEUS if k == V
-                  else SORT)
+                  else WIDE_TOPK)
         rows.append([p.temperature if not p.greedy else 1.0, k - 1, p.top_p if p.top_p < 1.0 else 2.0,
                      float(p.greedy), float(method)])
     return rows
@@ -100,30 +100,31 @@ def counter_settings(params: list[SamplingParams], V: int) -> list[list[float]]:
 def ways_needed(rows: list[list[float]]) -> dict:
     """counter_sample's flags for a batch of counter_settings rows: only the ways some row takes."""
     methods = {row[METHOD] for row in rows}
-    return dict(topk=TOPK in methods, nucleus=NUCLEUS in methods, sort=SORT in methods)
+    return dict(topk=TOPK in methods, nucleus=bool({NUCLEUS, WIDE_TOPK} & methods), wide=WIDE_TOPK in methods)
 
 
 def sampling_graph(rows: list[list[float]]) -> int:
-    """Which draw a batch of counter_settings rows needs: 3 with a SORT row (the sort, and the cut of NUCLEUS
-    rows), 2 with a NUCLEUS row (the cut), else 1 (RACE and TOPK rows only)."""
+    """Which draw a batch of counter_settings rows needs: 3 with a WIDE_TOPK row (the cut, after the k-th largest
+    is selected), 2 with a NUCLEUS row (the cut), else 1 (RACE and TOPK rows only)."""
     methods = {row[METHOD] for row in rows}
-    return 3 if SORT in methods else 2 if NUCLEUS in methods else 1
+    return 3 if WIDE_TOPK in methods else 2 if NUCLEUS in methods else 1
 
 
 def counter_sample(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor, seeds: torch.Tensor,
-                   counters: torch.Tensor, topk: bool = True, nucleus: bool = True, sort: bool = True) -> torch.Tensor:
+                   counters: torch.Tensor, topk: bool = True, nucleus: bool = True,
+                   wide: bool = True) -> torch.Tensor:
     """Tokens [B] (int64) for logits [B, V] float32, with fixed shapes and no host sync, so a CUDA graph can
     hold it: greedy rows keep `greedy` (their argmax), sampled rows draw from the same distribution as
     `sample` (temperature, then top-k, then top-p over the sorted probabilities) by the exponential race in
     its Gumbel-max form with counter noise (kernels/noise.py): row r's draw depends only on (seeds[r],
     counters[r]), its settings and its logits. A row's METHOD says which of four ways computes it (one
-    pass with no filter, the TOP_K_CAP largest logits, a cut found by selection, a sort of the whole row:
-    kernels/counter_draw.py, kernels/nucleus.py); topk=False, nucleus=False or sort=False leaves that way
-    out, for batches with no such row. cfg: float32 [B, 5] (counter_settings); seeds int64 [B]; counters [B]
+    pass with no filter, the TOP_K_CAP largest logits, a cut found by selection for top-p alone, the same after
+    the k-th largest is selected for a larger top-k: kernels/counter_draw.py, kernels/nucleus.py); topk=False,
+    nucleus=False or wide=False leaves that way out, for batches with no such row. cfg: float32 [B, 5] (counter_settings); seeds int64 [B]; counters [B]
     (a sequence's position)."""
     from o3edge.engine.kernels.counter_draw import draw
 
-    return draw(logits, greedy, cfg, seeds, counters, topk, nucleus, sort)
+    return draw(logits, greedy, cfg, seeds, counters, topk, nucleus, wide)
 
 
 def pick_tokens(batch, logits: torch.Tensor, generator_for, sample_rows=sample) -> list[int | None]:

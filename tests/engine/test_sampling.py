@@ -96,12 +96,12 @@ def test_counter_noise_depends_on_seed_and_counter_alone():
 @pytest.mark.parametrize("triton_topk", ["0", "1"])
 def test_counter_draw_methods_agree_where_they_overlap(triton_topk, monkeypatch):
     """counter_sample draws a row one of three ways by its settings (one pass with no filter, the 64 largest
-    logits for a small top-k, a sort of the whole row); the way is an implementation detail: a row drawn by
-    the sort path gets the same token as by the cheaper one (the 64 largest by torch.topk, or by Triton's
-    bitonic top-k, the default, or by torch.topk with O3EDGE_TRITON_TOPK=0)."""
+    logits for a small top-k, a cut found by selection for top-p alone or a larger top-k); the way is an
+    implementation detail: a row drawn by the selection (WIDE_TOPK) gets the same token as by the cheaper way
+    (the 64 largest by torch.topk, or by Triton's bitonic top-k, the default, or the pass with no filter)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("O3EDGE_TRITON_TOPK", triton_topk)
-    from o3edge.engine.sampling import METHOD, SORT, counter_sample, counter_settings
+    from o3edge.engine.sampling import METHOD, WIDE_TOPK, counter_sample, counter_settings
 
     V, n, dev = 512, 12, KERNEL_DEVICE
     logits = (torch.randn(n, V, generator=torch.Generator().manual_seed(0)) * 3).to(dev)
@@ -109,16 +109,17 @@ def test_counter_draw_methods_agree_where_they_overlap(triton_topk, monkeypatch)
                    SamplingParams(temperature=0.7, top_k=20, top_p=0.8)):
         cfg = torch.tensor(counter_settings([params] * n, V), dtype=torch.float32, device=dev)
         seeds, counters = torch.arange(n, device=dev), torch.full((n,), 9, device=dev)
-        cheap = counter_sample(logits, logits.argmax(-1), cfg, seeds, counters, sort=False)
-        cfg[:, METHOD] = SORT
+        cheap = counter_sample(logits, logits.argmax(-1), cfg, seeds, counters, nucleus=False, wide=False)
+        cfg[:, METHOD] = WIDE_TOPK
         assert torch.equal(counter_sample(logits, logits.argmax(-1), cfg, seeds, counters), cheap)
         assert len(set(cheap.tolist())) > 4  # draws, not the argmax
 
 
-def _nucleus_reference(logits: torch.Tensor, t: float, top_p: float, seeds, counters) -> list[int]:
-    """The counter draw of top-p rows by the definition: the best x / T + G over the tokens a stable sort of
-    each row keeps (descending value, lower id first among equal ones; kept while the mass before is under
-    top_p, summed in float64)."""
+def _cut_reference(logits: torch.Tensor, t: float, top_k: int, top_p: float, seeds, counters) -> list[int]:
+    """The counter draw of filtered rows by the definition: the best x / T + G over the tokens a stable sort of
+    each row keeps (descending value, lower id first among equal ones): top-k those at least the k-th
+    largest, ties too; top-p, over what top-k keeps, those whose mass before them is under top_p, summed in
+    float64."""
     from o3edge.engine.kernels.noise import gumbel_noise
 
     v = logits / t
@@ -126,6 +127,8 @@ def _nucleus_reference(logits: torch.Tensor, t: float, top_p: float, seeds, coun
     out = []
     for r in range(len(v)):
         order = torch.sort(-v[r], stable=True).indices
+        if top_k:
+            order = order[v[r, order] >= v[r, order[top_k - 1]]]
         w = torch.exp(v[r].double() - v[r].max().double())[order]
         kept = order[(w.cumsum(0) - w) < top_p * w.sum()]
         out.append(kept[(v[r, kept] + g[r, kept]).argmax()].item())
@@ -133,14 +136,15 @@ def _nucleus_reference(logits: torch.Tensor, t: float, top_p: float, seeds, coun
 
 
 @pytest.mark.parametrize("rows", ["flat", "peaked", "tied", "all equal"])
-def test_top_p_alone_is_cut_without_a_sort_exactly_where_the_sorted_row_is_cut(rows):
-    """A row with top-p and no top-k is drawn over the tokens a cut keeps, found by selection instead of a
-    sort of the row (kernels/nucleus.py): its token is the definition's, for rows whose nucleus is most of
-    the vocabulary (flat), a few tokens (peaked), and rows of many equal logits (bfloat16 logits; all equal),
-    where the cut falls among equal tokens and keeps the lower ids; and it equals the sorting draw's. Its fixed
-    point sums stay exact up to 2**23 tokens: on a GPU the rows have 151,936."""
+def test_top_p_and_large_top_k_are_cut_without_a_sort_exactly_where_the_sorted_row_is_cut(rows):
+    """A row with top-p and no top-k, or a top-k above 64 (with or without top-p), is drawn over the tokens a
+    cut keeps, found by selection instead of a sort of the row (kernels/nucleus.py): its token is the
+    definition's, for rows whose nucleus is most of the vocabulary (flat), a few tokens (peaked), and rows of
+    many equal logits (bfloat16 logits; all equal), where the k-th largest has equals (all kept) and the top-p
+    cut falls among equal tokens and keeps the lower ids. Its fixed point sums stay exact up to 2**23 tokens:
+    on a GPU the rows have 151,936."""
     pytest.importorskip("triton")
-    from o3edge.engine.sampling import METHOD, NUCLEUS, SORT, counter_sample, counter_settings
+    from o3edge.engine.sampling import METHOD, NUCLEUS, WIDE_TOPK, counter_sample, counter_settings
 
     # three blocks of the select's 2,048 tokens, the last one partial; compiled on a GPU, a Qwen vocabulary
     V, n, dev = (151936 if KERNEL_DEVICE == "cuda" else 5000), 6, KERNEL_DEVICE
@@ -149,15 +153,14 @@ def test_top_p_alone_is_cut_without_a_sort_exactly_where_the_sorted_row_is_cut(r
               "tied": (torch.randn(n, V, generator=gen) * 0.05).bfloat16().float(),
               "all equal": torch.zeros(n, V)}[rows]
     seeds, counters = torch.arange(n) + 11, torch.full((n,), 40)
-    for t, top_p in ((0.7, 0.9), (1.0, 0.05), (1.3, 0.5), (0.9, 0.999)):
-        cfg = torch.tensor(counter_settings([SamplingParams(temperature=t, top_p=top_p)] * n, V), dtype=torch.float32)
-        assert (cfg[:, METHOD] == NUCLEUS).all()
+    for t, top_k, top_p in ((0.7, 0, 0.9), (1.0, 0, 0.05), (1.3, 100, 0.5), (0.9, 0, 0.999), (0.8, 300, 1.0),
+                            (1.0, 1000, 0.9)):
+        params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p)
+        cfg = torch.tensor(counter_settings([params] * n, V), dtype=torch.float32)
+        assert (cfg[:, METHOD] == (WIDE_TOPK if top_k else NUCLEUS)).all()
         args = [x.to(dev) for x in (logits, logits.argmax(-1), cfg, seeds, counters)]
-        got = counter_sample(*args, sort=False).cpu().tolist()
-        assert got == _nucleus_reference(logits, t, top_p, seeds, counters), (t, top_p)
-        if rows in ("flat", "peaked"):  # the sort orders equal logits as it likes
-            args[2][:, METHOD] = SORT
-            assert counter_sample(*args).cpu().tolist() == got
+        got = counter_sample(*args, topk=False, wide=bool(top_k)).cpu().tolist()
+        assert got == _cut_reference(logits, t, top_k, top_p, seeds, counters), (t, top_k, top_p)
 
 
 def test_counter_draws_of_a_mixed_batch_are_each_rows_own():

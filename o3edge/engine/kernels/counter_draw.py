@@ -1,16 +1,16 @@
 """The graph step's draw of sampled tokens (sampling.counter_sample) in a few kernels.
 
 A sampled token is argmax(x / T + G) over the tokens a request's filters keep (x its logits, G the counter
-Gumbel noise of kernels/noise.py). A row is drawn one of four ways, by its own settings (sampling.py, METHOD):
+Gumbel noise of kernels/noise.py). A row is drawn one of three ways, by its own settings (sampling.py, METHOD):
 - RACE, no filter: one pass over the vocabulary, each block's best, then the best of those (_race_kernel);
-- NUCLEUS, top-p alone: the same pass over the tokens its cut keeps, the cut found by selection, not by a sort
-  (kernels/nucleus.py); drawn over the sorted row before, top-p alone decoded 0.85-0.88x as fast as greedy;
+- NUCLEUS, top-p alone, and WIDE_TOPK, a top-k above TOP_K_CAP (with or without top-p): the same pass over the
+  tokens its cut keeps, the cut found by selection, not by a sort (kernels/nucleus.py); drawn over the sorted row
+  before, top-p alone decoded 0.85-0.88x as fast as greedy;
 - TOPK, a top-k within TOP_K_CAP: over each block's largest by Triton's bitonic top-k (_block_top_kernel),
   then the largest of those (_topk_draw_kernel); with O3EDGE_TRITON_TOPK=0, over torch.topk's largest logits
   (_filtered_kernel), as before: on the H200 torch.topk took ~48-63 µs a step at batch 1-32
   (tools/bench_sampling.py), more than the rest of the draw, and Triton's made whole sampled generations
   1-6% faster (T 1.0 at batch 1: 1,213 -> 1,286 tok/s, greedy 1,309; docs/results/gpu-2026-12-03h/);
-- SORT, a top-k above TOP_K_CAP (with or without top-p): over the whole sorted row (_filtered_kernel again).
 _filtered_kernel and _topk_draw_kernel take candidates in descending order and filter them by one rule
 (_block_draw): top-k keeps those at least the k-th (ties too), top-p the first whose mass before them is
 under top_p (over the probabilities renormalised after top-k), and the draw is the best score among them.
@@ -29,7 +29,8 @@ import triton.language as tl
 
 from o3edge.engine.kernels.noise import _gumbel
 from o3edge.engine.kernels.nucleus import cut_keeps, nucleus_cut, order_key
-from o3edge.engine.sampling import GREEDY, KTH, METHOD, NUCLEUS, RACE, SORT, TEMPERATURE, TOP_K_CAP, TOP_P, TOPK
+from o3edge.engine.sampling import (GREEDY, KTH, METHOD, NUCLEUS, RACE, TEMPERATURE, TOP_K_CAP, TOP_P, TOPK,
+                                    WIDE_TOPK)
 
 RACE_BLOCK = 1024
 TOP_BLOCK = 2048  # a block of logits whose TOP_K_CAP largest are a TOPK row's candidates
@@ -38,15 +39,16 @@ TOP_BLOCK = 2048  # a block of logits whose TOP_K_CAP largest are a TOPK row's c
 @triton.jit
 def _race_kernel(x_ptr, cfg_ptr, seed_ptr, counter_ptr, cut_ptr, val_ptr, idx_ptr, V, stride_x, stride_cfg,
                  stride_seed, stride_counter, BLOCKS, T_COL: tl.constexpr, M_COL: tl.constexpr, CUT: tl.constexpr,
-                 CUT_ID: tl.constexpr, BLOCK: tl.constexpr):
+                 NUCLEUS_ID: tl.constexpr, WIDE_ID: tl.constexpr, BLOCK: tl.constexpr):
     row, blk = tl.program_id(0), tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < V
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     t = tl.load(cfg_ptr + row * stride_cfg + T_COL)
     v = x / t
-    if CUT:  # a NUCLEUS row keeps what its cut keeps (kernels/nucleus.py)
-        if tl.load(cfg_ptr + row * stride_cfg + M_COL) == CUT_ID:
+    if CUT:  # a NUCLEUS or WIDE_TOPK row keeps what its cut keeps (kernels/nucleus.py)
+        method = tl.load(cfg_ptr + row * stride_cfg + M_COL)
+        if (method == NUCLEUS_ID) | (method == WIDE_ID):
             mask = mask & cut_keeps(order_key(v), offs, cut_ptr, row)
     score = tl.where(mask, v + _gumbel(seed_ptr, counter_ptr, row, stride_seed, stride_counter, offs),
                      float("-inf"))
@@ -150,38 +152,38 @@ def _topk_draw_kernel(top_ptr, cfg_ptr, seed_ptr, counter_ptr, out_ptr, BLOCKS, 
 
 @triton.jit
 def _pick_kernel(cfg_ptr, greedy_ptr, val_ptr, idx_ptr, drawn_ptr, out_ptr, stride_cfg, BLOCKS,
-                 G_COL: tl.constexpr, M_COL: tl.constexpr, RACE_ID: tl.constexpr, CUT_ID: tl.constexpr,
-                 BLOCKS_P2: tl.constexpr):
+                 G_COL: tl.constexpr, M_COL: tl.constexpr, RACE_ID: tl.constexpr, NUCLEUS_ID: tl.constexpr,
+                 WIDE_ID: tl.constexpr, BLOCKS_P2: tl.constexpr):
     row = tl.program_id(0)
     cfg = cfg_ptr + row * stride_cfg
     offs = tl.arange(0, BLOCKS_P2)
     val = tl.load(val_ptr + row * BLOCKS + offs, mask=offs < BLOCKS, other=float("-inf"))
     raced = tl.load(idx_ptr + row * BLOCKS + tl.argmax(val, axis=0)).to(tl.int64)
     method = tl.load(cfg + M_COL)
-    token = tl.where((method == RACE_ID) | (method == CUT_ID), raced, tl.load(drawn_ptr + row))
+    token = tl.where((method == RACE_ID) | (method == NUCLEUS_ID) | (method == WIDE_ID), raced,
+                     tl.load(drawn_ptr + row))
     token = tl.where(tl.load(cfg + G_COL) > 0, tl.load(greedy_ptr + row).to(tl.int64), token)
     tl.store(out_ptr + row, token)
 
 
 def draw(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-         topk: bool = True, nucleus: bool = True, sort: bool = True) -> torch.Tensor:
+         topk: bool = True, nucleus: bool = True, wide: bool = True) -> torch.Tensor:
     """sampling.counter_sample's tokens [B] (int64): logits [B, V] (rows strided, columns not), greedy [B] the
     rows' argmax, cfg float32 [B, 5] (sampling.counter_settings, contiguous rows), seeds and counters [B]
-    (strided views will do); topk=False, nucleus=False and sort=False leave TOPK, NUCLEUS and SORT rows
-    undrawn (no such row in the batch)."""
+    (strided views will do); topk=False, nucleus=False and wide=False leave TOPK, NUCLEUS and WIDE_TOPK rows
+    undrawn (no such row in the batch; WIDE_TOPK rows need nucleus too)."""
     B, V = logits.shape
     dev = logits.device
     blocks = triton.cdiv(V, RACE_BLOCK)
     val = torch.empty(B, blocks, dtype=torch.float32, device=dev)
     idx = torch.empty(B, blocks, dtype=torch.int32, device=dev)
     strides = (cfg.stride(0), seeds.stride(0), counters.stride(0))
-    cut = nucleus_cut(logits, greedy, cfg, NUCLEUS, dict(T_COL=TEMPERATURE, P_COL=TOP_P, M_COL=METHOD)) \
-        if nucleus else None
-    _race_kernel[(B, blocks)](logits, cfg, seeds, counters, cut, val, idx, V, logits.stride(0), *strides, blocks,
-                              T_COL=TEMPERATURE, M_COL=METHOD, CUT=nucleus, CUT_ID=NUCLEUS, BLOCK=RACE_BLOCK,
-                              num_warps=4)
-    drawn = torch.empty(B, dtype=torch.long, device=dev)
     cols = dict(T_COL=TEMPERATURE, K_COL=KTH, P_COL=TOP_P, M_COL=METHOD)
+    methods = dict(NUCLEUS_ID=NUCLEUS, WIDE_ID=WIDE_TOPK)
+    cut = nucleus_cut(logits, greedy, cfg, wide, methods, cols) if nucleus else None
+    _race_kernel[(B, blocks)](logits, cfg, seeds, counters, cut, val, idx, V, logits.stride(0), *strides, blocks,
+                              T_COL=TEMPERATURE, M_COL=METHOD, CUT=nucleus, BLOCK=RACE_BLOCK, num_warps=4, **methods)
+    drawn = torch.empty(B, dtype=torch.long, device=dev)
     if topk and os.environ.get("O3EDGE_TRITON_TOPK") != "0":  # each block's TOP_K_CAP largest, then the draw
         block = max(TOP_K_CAP, min(TOP_BLOCK, triton.next_power_of_2(V)))  # over the largest of those
         top_blocks = triton.cdiv(V, block)
@@ -195,11 +197,7 @@ def draw(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor, seeds: t
         top, ids = torch.topk(logits, min(TOP_K_CAP, V), dim=-1)
         _filtered_kernel[(B,)](top, ids, cfg, seeds, counters, drawn, top.shape[1], top.stride(0), ids.stride(0),
                                *strides, MINE=TOPK, BLOCK=triton.next_power_of_2(top.shape[1]), num_warps=2, **cols)
-    if sort:
-        sv, order = torch.sort(logits, dim=-1, descending=True)
-        _filtered_kernel[(B,)](sv, order, cfg, seeds, counters, drawn, V, sv.stride(0), order.stride(0), *strides,
-                               MINE=SORT, BLOCK=2048, num_warps=8, **cols)
     out = torch.empty(B, dtype=torch.long, device=dev)
     _pick_kernel[(B,)](cfg, greedy, val, idx, drawn, out, cfg.stride(0), blocks, G_COL=GREEDY, M_COL=METHOD,
-                       RACE_ID=RACE, CUT_ID=NUCLEUS, BLOCKS_P2=triton.next_power_of_2(blocks), num_warps=1)
+                       RACE_ID=RACE, BLOCKS_P2=triton.next_power_of_2(blocks), num_warps=1, **methods)
     return out
