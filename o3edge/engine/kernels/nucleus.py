@@ -50,7 +50,7 @@ def order_key(v):
 
 @triton.jit
 def cut_keeps(key, token, cut_ptr, row):
-    """Whether top-p keeps tokens of these keys (order_key of x / T) and ids, by the row's cut (c's key, L)."""
+    """Whether a row's filters keep tokens of these keys (order_key of x / T) and ids, by its cut (c's key, L)."""
     c = tl.load(cut_ptr + row * 2)
     return (key > c) | ((key == c) & (token <= tl.load(cut_ptr + row * 2 + 1)))
 
