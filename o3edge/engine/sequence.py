@@ -12,9 +12,14 @@ from dataclasses import dataclass, field
 from o3edge.errors import InvalidRequest
 
 
+# a temperature below this picks greedily, as vLLM does: x / T overflowed float32 below ~1e-37 and every
+# sampler then drew token 0 or noise; from 1e-5 up the tokens are the draws a user asked for
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop; temperature 0 means greedy."""
+    """How to pick tokens and when to stop; temperature 0 (below GREEDY_TEMPERATURE) means greedy."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -42,7 +47,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _finite(x) -> bool:

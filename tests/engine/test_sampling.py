@@ -180,3 +180,30 @@ def test_counter_draws_of_a_mixed_batch_are_each_rows_own():
         alone = counter_sample(logits[s], logits[s].argmax(-1), cfg[s], seeds[s], counters[s])
         assert alone.item() == together[r].item()
     assert together[1].item() == logits[1].argmax().item()
+
+
+def test_a_temperature_too_small_to_divide_by_picks_the_argmax_on_every_sampler():
+    """x / T overflows float32 for temperatures below ~1e-37, and every sampler then drew token 0 or noise
+    for such a request (a client's "almost greedy"); a temperature below 1e-5 now picks greedily, on the
+    torch sampler, the graph step's counter draw and the native CPU sampler, with or without filters."""
+    pytest.importorskip("triton")
+    import numpy as np
+
+    from o3edge.engine import sampling_np
+    from o3edge.engine.sampling import counter_sample, counter_settings
+
+    V = 3000
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 2
+    for t in (9e-6, 1e-30, 1e-40):
+        kinds = [SamplingParams(temperature=t, seed=1), SamplingParams(temperature=t, top_k=40, seed=1),
+                 SamplingParams(temperature=t, top_p=0.9, seed=1), SamplingParams(temperature=t, top_k=100, seed=1)]
+        argmax = logits.argmax(-1).tolist()
+        gens = [make_generator(k, torch.device("cpu"), 0) for k in kinds]
+        assert sample(logits, kinds, gens) == argmax
+        rngs = [sampling_np.make_rng(k, 0) for k in kinds]
+        assert sampling_np.sample(logits.numpy().astype(np.float32), kinds, rngs) == argmax
+        dev = KERNEL_DEVICE
+        cfg = torch.tensor(counter_settings(kinds, V), dtype=torch.float32, device=dev)
+        x = logits.to(dev)
+        assert counter_sample(x, x.argmax(-1), cfg, torch.arange(4, device=dev),
+                              torch.arange(4, device=dev)).tolist() == argmax
