@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from o3edge.errors import InvalidRequest
 
 
-# a temperature below this picks greedily, as vLLM does: x / T overflowed float32 below ~1e-37 and every
-# sampler then drew token 0 or noise; from 1e-5 up the tokens are the draws a user asked for
+# a temperature below this picks greedily, as vLLM does: x / T overflowed float32 below ~1e-37 (the torch
+# sampler and the graph step's counter draw then drew token 0 or noise; the native CPU sampler's float64 below
+# ~1e-308); from 1e-5 up the tokens are the draws a user asked for
 GREEDY_TEMPERATURE = 1e-5
 
 

@@ -183,9 +183,10 @@ def test_counter_draws_of_a_mixed_batch_are_each_rows_own():
 
 
 def test_a_temperature_too_small_to_divide_by_picks_the_argmax_on_every_sampler():
-    """x / T overflows float32 for temperatures below ~1e-37, and every sampler then drew token 0 or noise
-    for such a request (a client's "almost greedy"); a temperature below 1e-5 now picks greedily, on the
-    torch sampler, the graph step's counter draw and the native CPU sampler, with or without filters."""
+    """x / T overflows float32 for temperatures below ~1e-37, and the torch sampler and the graph step's
+    counter draw then drew token 0 or noise for such a request (a client's "almost greedy"; the native CPU
+    sampler, in float64, below ~1e-308); a temperature below 1e-5 now picks greedily, on all three, with or
+    without filters."""
     pytest.importorskip("triton")
     import numpy as np
 
@@ -194,7 +195,7 @@ def test_a_temperature_too_small_to_divide_by_picks_the_argmax_on_every_sampler(
 
     V = 3000
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 2
-    for t in (9e-6, 1e-30, 1e-40):
+    for t in (9e-6, 1e-30, 1e-40, 1e-320):
         kinds = [SamplingParams(temperature=t, seed=1), SamplingParams(temperature=t, top_k=40, seed=1),
                  SamplingParams(temperature=t, top_p=0.9, seed=1), SamplingParams(temperature=t, top_k=100, seed=1)]
         argmax = logits.argmax(-1).tolist()
