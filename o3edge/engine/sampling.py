@@ -106,8 +106,8 @@ def ways_needed(rows: list[list[float]]) -> dict:
 def sampling_graph(rows: list[list[float]]) -> int:
     """Which draw a batch of counter_settings rows needs: 3 with a WIDE_TOPK row (the cut, after the k-th largest
     is selected), 2 with a NUCLEUS row (the cut), else 1 (RACE and TOPK rows only)."""
-    methods = {row[METHOD] for row in rows}
-    return 3 if WIDE_TOPK in methods else 2 if NUCLEUS in methods else 1
+    ways = ways_needed(rows)
+    return 3 if ways["wide"] else 2 if ways["nucleus"] else 1
 
 
 def counter_sample(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor, seeds: torch.Tensor,
@@ -120,8 +120,8 @@ def counter_sample(logits: torch.Tensor, greedy: torch.Tensor, cfg: torch.Tensor
     counters[r]), its settings and its logits. A row's METHOD says which of four ways computes it (one
     pass with no filter, the TOP_K_CAP largest logits, a cut found by selection for top-p alone, the same after
     the k-th largest is selected for a larger top-k: kernels/counter_draw.py, kernels/nucleus.py); topk=False,
-    nucleus=False or wide=False leaves that way out, for batches with no such row. cfg: float32 [B, 5] (counter_settings); seeds int64 [B]; counters [B]
-    (a sequence's position)."""
+    nucleus=False or wide=False leaves that way out, for batches with no such row. cfg: float32 [B, 5]
+    (counter_settings); seeds int64 [B]; counters [B] (a sequence's position)."""
     from o3edge.engine.kernels.counter_draw import draw
 
     return draw(logits, greedy, cfg, seeds, counters, topk, nucleus, wide)
