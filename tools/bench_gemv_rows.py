@@ -93,7 +93,7 @@ def main() -> None:
             if name not in ("gate_up", "down", "lm_head"):
                 continue
             for M in (int(r) for r in a.rows.split(",")):
-                case = bg.Case(N, K, pro, M, bg.MODELS[model][4], True)
+                case = bg.Case(N, K, pro, M, bg.MODELS[model][4], "int4")
                 for variant in a.variants.split(","):
                     us = time_variant(case, variant)
                     if us is None:

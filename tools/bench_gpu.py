@@ -10,8 +10,8 @@ prompts (a new set for every generation, so prefix reuse never helps), 128 new g
 llama.cpp figures are parsed from the logs of `.peer/run.sh` (tools/bench_gpu_vs_llamacpp.sh runs it
 in the same device call); transformers runs in this process.
 
-  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--int4-all] [--sampled [--sampled-only
-         TEXT]] [--model DIR]
+  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--int4-all] [--int4-head] [--int8]
+         [--sampled [--sampled-only TEXT]] [--model DIR]
          [--llamacpp BENCH_LOG,ENERGY_LOG] [--skip-hf] [--json OUT] [--plot OUT.png]
 """
 
@@ -88,13 +88,18 @@ def generation(model: O3Model, prompts: list[list[int]], sampling: dict | None =
 
 ALL = "o3edge INT4 (all linears)"
 HEAD = "o3edge INT4-FFN + INT4 LM head"
+INT8 = "o3edge INT8 (all linears)"
+INT4_INT8 = "o3edge INT4-FFN + INT8"
+# each o3edge variant's weights: (attention projections, FFN, LM head) as "dense", "int4" or "int8"
+WEIGHTS = {"o3edge INT4-FFN": ("dense", "int4", "dense"), HEAD: ("dense", "int4", "int4"),
+           ALL: ("int4", "int4", "int4"), INT8: ("int8", "int8", "int8"), INT4_INT8: ("int8", "int4", "int8")}
 
 
 def bench_o3(path, dtype, batches, energy, int4=False, kv_mb=8192, int4_all=False, int4_head=False,
-             sampling: dict | None = None):
+             sampling: dict | None = None, int8=False):
     model = O3Model.from_config(O3Config(model_path=path, device="cuda", dtype=dtype, max_model_len=2048,
                                          max_num_seqs=max(batches), kv_cache_memory_mb=kv_mb, int4_ffn=int4,
-                                         int4_all=int4_all, int4_lm_head=int4_head,
+                                         int4_all=int4_all, int4_lm_head=int4_head, int8_weights=int8,
                                          max_num_batched_tokens=max(2048, PROMPT_LEN * max(batches))))
     prompts = Prompts(model.engine.info.args.vocab_size)
     generation(model, prompts(2), sampling)  # warm-up, of the kind measured (a first draw of its kind compiles)
@@ -204,20 +209,17 @@ def parse_llamacpp(bench_log: str, energy_log: str | None) -> dict:
     return {k: v for k, v in out.items() if any(key.startswith("b") for key in v)}
 
 
-def weight_bytes(model_path: str, dtype: str, int4: bool, int4_all: bool = False, int4_head: bool = False) -> float:
-    """Bytes one decode step must read: every weight once (INT4 at 4.25 bits with group scales: the FFN, with
-    int4_head the LM head too, or with int4_all every linear)."""
+def weight_bytes(model_path: str, dtype: str, weights: tuple[str, str, str] = ("dense",) * 3) -> float:
+    """Bytes one decode step must read: every weight once, the attention projections, the FFN and the LM head
+    each dense, INT4 (4.25 bits with group scales) or INT8 (a float32 scale a row)."""
     from o3edge.engine.checkpoint import read_model_args
 
     a = read_model_args(model_path)
-    elem = 4 if dtype == "float32" else 2
+    per = {"dense": 4 if dtype == "float32" else 2, "int4": 0.5 + 4 / 128, "int8": 1 + 4 / a.hidden_size}
     attn = a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim * a.hidden_size
     ffn = 3 * a.hidden_size * a.intermediate_size
     head = a.vocab_size * a.hidden_size
-    ffn_bytes = ffn * (0.5 + 4 / 128) if int4 else ffn * elem
-    if int4_all:
-        return (a.num_layers * (attn + ffn) + head) * (0.5 + 4 / 128)
-    return a.num_layers * (attn * elem + ffn_bytes) + head * ((0.5 + 4 / 128) if int4_head else elem)
+    return a.num_layers * (attn * per[weights[0]] + ffn * per[weights[1]]) + head * per[weights[2]]
 
 
 def main():
@@ -229,6 +231,8 @@ def main():
     ap.add_argument("--int4", action="store_true", help="also run o3edge with INT4 FFN weights")
     ap.add_argument("--int4-all", action="store_true", help="also run o3edge with every linear in INT4")
     ap.add_argument("--int4-head", action="store_true", help="also run o3edge with INT4 FFN and LM head")
+    ap.add_argument("--int8", action="store_true",
+                    help="also run o3edge with INT8 weights (W8A16): every linear, and beside INT4 FFN the rest")
     ap.add_argument("--sampled", action="store_true",
                     help="also run o3edge with sampled requests (seeded): T 1.0; T 0.7, top-p 0.9, top-k 40; "
                          "T 0.7, top-p 0.9")
@@ -286,11 +290,15 @@ def measure(a, batches) -> dict:
     if a.int4_all:
         r["systems"][ALL] = bench_o3(path, a.dtype, batches, energy, int4=True, int4_all=True)
         print(ALL, json.dumps(r["systems"][ALL]), flush=True)
+    if a.int8:
+        r["systems"][INT8] = bench_o3(path, a.dtype, batches, energy, int8=True)
+        print(INT8, json.dumps(r["systems"][INT8]), flush=True)
+        r["systems"][INT4_INT8] = bench_o3(path, a.dtype, batches, energy, int4=True, int8=True)
+        print(INT4_INT8, json.dumps(r["systems"][INT4_INT8]), flush=True)
     if not a.skip_hf:
         r["systems"]["transformers"] = bench_hf(path, a.dtype, batches, energy)
         print("transformers", json.dumps(r["systems"]["transformers"]), flush=True)
-    r["floor_ms"] = {k: weight_bytes(path, a.dtype, k.endswith("INT4-FFN") or k == HEAD, k == ALL, k == HEAD)
-                     / HBM_BYTES_PER_S * 1e3
+    r["floor_ms"] = {k: weight_bytes(path, a.dtype, WEIGHTS.get(k, ("dense",) * 3)) / HBM_BYTES_PER_S * 1e3
                      for k in r["systems"] if k.startswith("o3edge")}
     return r
 

@@ -84,6 +84,12 @@ def _run_wrappers() -> None:
     skinny_matmul(torch.zeros(1, K, dtype=torch.bfloat16), q, scales_and_zeros=sz.to(torch.bfloat16), group_size=64,
                   out_features=N)  # INT4 one row, bfloat16 (the packed dot's other instruction set)
     dequantize(q, sz.to(torch.bfloat16), 64, K, h)
+    from o3edge.engine.kernels.int8_matmul import dequantize as dequantize_int8
+
+    q8, s8 = torch.zeros(N, K, dtype=torch.int8), torch.ones(N)
+    for x in (torch.zeros(1, K, dtype=h), torch.zeros(1, K, dtype=torch.bfloat16), torch.zeros(4, K, dtype=h)):
+        skinny_matmul(x, q8, scales8=s8)  # INT8: one row streamed as words of four codes (both half types), tiles
+    dequantize_int8(q8, s8, h)
     H, KVH, HD, bs = 32, 4, 64, 16
     qkv = torch.zeros(2, (H + 2 * KVH) * HD, dtype=h)
     cos = torch.zeros(64, HD)
@@ -129,6 +135,7 @@ KERNELS = {
     "o3edge.engine.kernels.norm": ["_add_rmsnorm_kernel"],
     "o3edge.engine.kernels.activation": ["_silu_mul_kernel"],
     "o3edge.engine.kernels.int4_matmul": ["_dequantize_kernel"],
+    "o3edge.engine.kernels.int8_matmul": ["_dequantize_kernel"],
 }
 
 

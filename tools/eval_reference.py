@@ -47,6 +47,10 @@ VARIANTS = [("FP32", "float32", None), ("FP16", "float16", None), ("BF16", "bflo
 VARIANTS += [(f"INT4-FFN g{g} + BF16", "bfloat16", g) for g in INT4_GROUPS]
 VARIANTS += [(f"INT4-FFN g{g} + FP32", "float32", g) for g in INT4_GROUPS]
 VARIANTS += [(f"INT4-FFN g{g} + INT4 LM head + FP32", "float32", g, {"int4_lm_head": True}) for g in INT4_GROUPS]
+# int8_weights: INT8 for every linear left dense (on this CPU the INT8 kernels quantize activations per 32 columns,
+# as the GPU's one-row dp4a kernel does)
+VARIANTS += [("INT8 (all linears) + FP32", "float32", None, {"int8_weights": True}),
+             ("INT4-FFN g32 + INT8 + FP32", "float32", 32, {"int8_weights": True})]
 
 
 def held_out_windows(tokenizer, data: str | None, num_tokens: int, window: int) -> list[list[int]]:

@@ -8,7 +8,7 @@ strides divisible by 16), Triton compiles with its bundled ptxas, and the launch
 harmlessly. Counts are static (each instruction once, loops not unrolled), so they compare variants
 of one kernel, not kernels with each other.
 
-  python tools/kernel_sass.py gemv --rows 8 --n 11264 --k 2048 [--env O3EDGE_INT4_ASM=0]
+  python tools/kernel_sass.py gemv --rows 8 --n 11264 --k 2048 [--weights int4|int8|dense] [--env O3EDGE_INT4_ASM=0]
   python tools/kernel_sass.py router --mode int8 [--env O3EDGE_ROUTER_FAST=1]
   python tools/kernel_sass.py sampling --n 32000 --batch 8 [--env O3EDGE_TRITON_TOPK=0]
   python tools/kernel_sass.py attention --shape tinyllama-1.1b --batch 1 --splits 32 [--context 256]
@@ -84,10 +84,19 @@ def gemv(a) -> list:
     g.asm_int4 = lambda x: os.environ.get("O3EDGE_INT4_ASM", "1") != "0"
     dtype = getattr(torch, a.dtype)
     x = torch.randn(a.rows, a.k, dtype=dtype)
-    q, sz = quantize_int4(torch.randn(a.n, a.k) / 40, a.group)
+    w = torch.randn(a.n, a.k) / 40
     try:
         config = tuple(int(v) for v in a.config.split(",")) if a.config else None
-        g.skinny_matmul(x, q, scales_and_zeros=sz, group_size=a.group, out_features=a.n, config=config)
+        if a.weights == "int8":
+            from o3edge.engine.cpu_quant import quantize_int8
+
+            q8, scales = quantize_int8(w)
+            g.skinny_matmul(x, q8, scales8=scales, config=config)
+        elif a.weights == "dense":
+            g.skinny_matmul(x, w.to(dtype), config=config)
+        else:
+            q, sz = quantize_int4(w, a.group)
+            g.skinny_matmul(x, q, scales_and_zeros=sz, group_size=a.group, out_features=a.n, config=config)
     except Exception as e:  # the launch: no device (a compile error is shown)
         if "CompilationError" in type(e).__name__ or "compil" in str(e).lower():
             print(f"compile failed: {e}", file=sys.stderr)
@@ -177,6 +186,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=11264)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--weights", default="int4", choices=("int4", "int8", "dense"), help="gemv: the weight kind")
     ap.add_argument("--config", help="gemv: a tiling BLOCK_N,BLOCK_K,splits,warps[,programs per SM] (default: planned)")
     ap.add_argument("--mode", default="int8", help="router: int8, int4, int8-half, int4-half")
     ap.add_argument("--shape", default="llama-1b")

@@ -73,6 +73,7 @@ def main():
     ap.add_argument("--int4", action="store_true")
     ap.add_argument("--int4-all", action="store_true", help="with --int4: every linear in INT4")
     ap.add_argument("--int4-head", action="store_true", help="with --int4: the LM head in INT4 too")
+    ap.add_argument("--int8", action="store_true", help="INT8 weights for every linear not in INT4 (int8_weights)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--model")
     ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of the GPU's memory (H200)")
@@ -87,7 +88,7 @@ def main():
         make_checkpoint(path, **SHAPES[a.shape])
     m = O3Model.from_config(O3Config(model_path=path, device="cuda", dtype=a.dtype, max_model_len=2048,
                                      max_num_seqs=max(32, a.batch), kv_cache_memory_mb=4096, int4_ffn=a.int4,
-                                     int4_all=a.int4_all, int4_lm_head=a.int4_head))
+                                     int4_all=a.int4_all, int4_lm_head=a.int4_head, int8_weights=a.int8))
     e, r = m.engine, m.engine.runner
     g = torch.Generator().manual_seed(0)
     for i in range(a.batch):
@@ -101,7 +102,8 @@ def main():
     B = next(b for b in graphs.batch_buckets if b >= n)
     graphs._launch(batch, B)  # the step's metadata in place (and the step run once)
     ids, pos, step = r.prepare(batch)
-    out = {"shape": a.shape, "dtype": a.dtype, "int4": a.int4, "int4_all": a.int4_all, "int4_head": a.int4_head, "batch": n, "layers": e.info.args.num_layers,
+    out = {"shape": a.shape, "dtype": a.dtype, "int4": a.int4, "int4_all": a.int4_all, "int4_head": a.int4_head,
+           "int8": a.int8, "batch": n, "layers": e.info.args.num_layers,
            "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M")}
     unfused = partial(decode_forward, r.model, graphs.meta[:B], r.cos, r.sin, r.kv_cache, graphs.block_size,
                       graphs.splits[B], fused=False)
@@ -128,7 +130,8 @@ def main():
             unfused()
         out["graph_replay_ms_without_skinny"] = replay_ms(plain)
     weight_bytes = sum(t.numel() * t.element_size() for t in (*r.model.parameters(), *r.model.buffers()))
-    if r.model.lm_head is not None and a.int4_head:  # a tied embedding behind its own INT4 head: one row read a token
+    if r.model.lm_head is not None:  # an embedding apart from the head (untied, or tied behind a quantized copy):
+        # one row read a token
         weight_bytes -= r.model.embed.weight.numel() * r.model.embed.weight.element_size()
     out["weight_bytes"] = weight_bytes
     out["floor_ms"] = weight_bytes / a.bandwidth * 1e3

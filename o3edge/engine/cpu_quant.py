@@ -1,4 +1,4 @@
-"""Weight-only INT8 for CPU linears (attention projections, FFN, LM head), as a module swap.
+"""INT8 weights for linears (attention projections, FFN, LM head), as a module swap: CPU kernels, and a GPU's.
 
 On disk a weight is `<name>.qweight8` int8 [N, K] and `<name>.scales8` float32 [N]: symmetric per
 output row, w ~ q * scale with scale = max|w_row| / 127. That form is device- and CPU-neutral; the
@@ -15,6 +15,9 @@ kernel, and the layout it wants, is picked when the engine loads (`pick_int8_ker
 - "int8pack": `_weight_int8pack_mm` with bf16 activations (weight-only, no activation rounding
   beyond bf16); for builds of torch without fbgemm.
 - "dense": the dequantized float32 weight and MKL; correct everywhere, as large as float32.
+- "triton": on a CUDA GPU (`[engine] int8_weights`), o3edge's own weight-only kernels
+  (kernels/int8_matmul.py: the codes as stored, activations in the model dtype, each output row scaled
+  once; W8A16). Also runs under Triton's interpreter on CPU tensors (the kernel tests).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SCHEME = INT8_SCHEME
 SUFFIXES = (".qweight8", ".scales8")
-KERNELS = ("vnni", "fbgemm", "int8pack", "dense")
+KERNELS = ("vnni", "fbgemm", "int8pack", "dense", "triton")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +80,7 @@ def pick_int8_kernel(requested: str = "auto", shape: tuple[int, int] | None = No
 
 
 class Int8Linear(nn.Module):
-    """A bias-free linear layer with a per-row INT8 weight; float32 in, float32 out (any dtype in)."""
+    """A bias-free linear layer with a per-row INT8 weight; the output in the input's dtype."""
 
     def __init__(self, in_features: int, out_features: int, kernel: str = "auto"):
         super().__init__()
@@ -112,11 +115,17 @@ class Int8Linear(nn.Module):
                 self.packed = torch.ops.quantized.linear_prepack(qt, None)
         elif self.kernel == "int8pack":
             self.weight, self.scales = q.contiguous(), scales.to(torch.bfloat16)
+        elif self.kernel == "triton":  # the stored form itself (moved to the GPU with the model)
+            self.weight, self.scales = q.contiguous(), scales.float().contiguous()
         else:
             self.weight = dequantize_int8(q, scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
+        if self.kernel == "triton":
+            from o3edge.engine.kernels.int8_matmul import int8_matmul
+
+            return int8_matmul(x, self.weight, self.scales)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "vnni":

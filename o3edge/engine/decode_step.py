@@ -8,8 +8,8 @@ Per layer, at batch 1:
   5. SiLU·mul fused into the down projection;
 then the final norm fused into the LM head, and the float32 logits with their greedy token. Larger
 batches (or `fused=False`) run the same step with the norm and SiLU·mul as kernels of their own and
-the projections on cuBLAS (or the INT4 module's own path, kernels/int4_matmul.py); an INT4 gate/up
-projection on tiles ends in SiLU·mul itself (silu_epilogue).
+the projections on cuBLAS (or the INT4 or INT8 module's own path, kernels/int4_matmul.py and
+int8_matmul.py); an INT4 gate/up projection on tiles ends in SiLU·mul itself (silu_epilogue).
 """
 
 from __future__ import annotations
@@ -19,14 +19,18 @@ import os
 import torch
 import torch.nn.functional as F
 
+from o3edge.engine.cpu_quant import Int8Linear
 from o3edge.engine.quant import Int4Linear
 
 
 def _weights(mod) -> dict:
-    """skinny_matmul's weight arguments for a projection (nn.Linear, Int4Linear, or a tied embedding)."""
+    """skinny_matmul's weight arguments for a projection (nn.Linear, Int4Linear, Int8Linear, or a tied
+    embedding)."""
     if isinstance(mod, Int4Linear):
         return dict(weight=mod.weight, scales_and_zeros=mod.scales_and_zeros, group_size=mod.group_size,
                     out_features=mod.out_features)
+    if isinstance(mod, Int8Linear):
+        return dict(weight=mod.weight, scales8=mod.scales)
     return dict(weight=mod.weight, bias=getattr(mod, "bias", None))
 
 
@@ -45,6 +49,8 @@ def skinny_ok(mod, rows: int) -> bool:
     gate/up 17.3 -> 23.5 us at 8 rows, down 13.2 -> 40.1; llama-1b down 15.9 -> 75.6."""
     if isinstance(mod, Int4Linear):
         return mod.neutral and rows == 1
+    if isinstance(mod, Int8Linear):
+        return mod.kernel == "triton" and rows == 1
     return isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) and rows == 1
 
 

@@ -240,7 +240,7 @@ class LLMEngine:
             return device, onnx_dtype(model_dir), None, read_model_args(model_dir), onnx_fingerprint(model_dir)
         dtype = resolve_dtype(config.dtype, device, built_dtype(model_dir))
         model, args = load_model(model_dir, device, dtype, config.int4_ffn, config.int4_group_size, config.int4_all,
-                                 config.int4_lm_head)
+                                 config.int4_lm_head, config.int8_weights)
         return device, dtype, model, args, fingerprint(model_dir) + int4_tag(model) + int8_tag(model)
 
     @staticmethod

@@ -56,6 +56,22 @@ def int4_modules(args: ModelArgs, group_size: int, every_linear: bool = False, l
     return names
 
 
+def int8_modules(args: ModelArgs, int4_names: list[str]) -> list[str]:
+    """The linears `int8_weights` stores in INT8: every one not in int4_names, the LM head too (a tied one: its
+    own INT8 copy of the embedding, which stays dense for the lookup); a linear with a bias stays dense
+    (Int8Linear is bias-free)."""
+    with on_meta():
+        model = Transformer(args)
+    int4, names = set(int4_names), []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name not in int4:
+            if mod.bias is None:
+                names.append(name)
+            else:
+                log.info("%s stays dense: INT8 layers are bias-free", name)
+    return names + ([LM_HEAD] if model.lm_head is None and LM_HEAD not in int4 else [])
+
+
 def preset_modules(args: ModelArgs, preset: Preset) -> tuple[list[str], list[str]]:
     """The linears of this architecture that a CPU preset stores in INT4 and in INT8 (LM head included)."""
     with on_meta():
@@ -150,26 +166,33 @@ def check_shapes(model: Transformer, state: dict) -> None:
 
 
 def load_model(model_dir: str, device: torch.device, dtype: torch.dtype, int4_ffn: bool = False,
-               int4_group_size: int = 128, int4_all: bool = False,
-               int4_lm_head: bool = False) -> tuple[Transformer, ModelArgs]:
+               int4_group_size: int = 128, int4_all: bool = False, int4_lm_head: bool = False,
+               int8_weights: bool = False) -> tuple[Transformer, ModelArgs]:
     """Read a checkpoint or engine directory into an eval-mode Transformer.
 
     int4_ffn quantizes the FFN projections (with int4_all, every linear layer) at load time unless
-    the engine directory already holds INT4 modules (then its own modules and group size stand).
+    the engine directory already holds INT4 modules (then its own modules and group size stand);
+    int8_weights then quantizes the linears left dense to INT8 (int8_modules), unless the engine
+    directory holds INT8 modules already.
     """
     mapped = []  # INT4/INT8 tensors (and INT4 scales) read from the engine file (mmap), packed into copies
     if is_engine_dir(model_dir):
         args, state, group, stored = _engine_state(model_dir, dtype, int4_ffn, int4_group_size, int4_all,
-                                                   int4_lm_head)
+                                                   int4_lm_head, int8_weights)
         mapped = [state[f"{name}.{part}"] for name in stored for part in ("qweight", "scales_and_zeros")]
-        mapped += [v for k, v in state.items() if k.endswith(".qweight8")]
+        mapped += [state[name + ".qweight8"] for name in read_manifest(model_dir).int8_modules]
     else:
         args = read_model_args(model_dir)
         group = int4_group_size if int4_ffn else None
         names = int4_modules(args, group, int4_all, int4_lm_head) if group else None
-        state = build_state_dict(args, load_tensors(model_dir), dtype, group, int4_all=int4_all, int4_names=names)
-    # engine dir: drop each INT4/INT8 tensor's file pages as soon as it is packed, so they never pile up
-    model = instantiate(args, state, device, group, release=_release_memory if mapped else None)
+        int8 = int8_modules(args, names or []) if int8_weights else []
+        state = build_state_dict(args, load_tensors(model_dir), dtype, group, int4_all=int4_all, int4_names=names,
+                                 int8_modules=int8)
+    # engine dir: drop each INT4/INT8 tensor's file pages as soon as it is packed, so they never pile up (only
+    # the file's: a tensor quantized here is anonymous memory, which dropping would zero)
+    in_file = {t.data_ptr() for t in mapped}
+    model = instantiate(args, state, device, group, release=(lambda ts: _release_memory(
+        [t for t in ts if t.data_ptr() in in_file])) if mapped else None)
     if mapped:
         _release_memory(mapped)
     return model, args
@@ -185,7 +208,7 @@ def _release_memory(mapped: list[torch.Tensor]) -> None:
 
 
 def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size: int, int4_all: bool,
-                  int4_lm_head: bool = False):
+                  int4_lm_head: bool = False, int8_weights: bool = False):
     manifest = read_manifest(model_dir)
     state = load_weights(manifest)
     stored = sorted(k.removesuffix(".qweight") for k in state if k.endswith(".qweight"))
@@ -209,6 +232,14 @@ def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size
     elif group is not None and group != group_size:
         log.info("engine %s is INT4 with group size %d (built in; int4_group_size %d ignored)",
                  model_dir, group, group_size)
+    if int8_weights and stored8:
+        log.info("engine %s holds INT8 modules already (built in; int8_weights adds none)", model_dir)
+    elif int8_weights:
+        int4 = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
+        for name in int8_modules(manifest.args, int4):
+            tied = name == LM_HEAD and manifest.args.tie_word_embeddings
+            weight = state["embed.weight"] if tied else state.pop(name + ".weight")
+            state[name + ".qweight8"], state[name + ".scales8"] = quantize_int8(weight)
     return manifest.args, state, group, stored
 
 
@@ -222,7 +253,8 @@ def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: 
     with on_meta():
         model = Transformer(args)
         int4 = swap_to_int4(model, int4_names, group_size) if int4_names else {}
-    int8 = swap_to_int8(model, int8_names)  # not on meta: the kernel's packed weight is built in place
+    # not on meta: the kernel's packed weight is built in place (on a GPU: Triton's kernels on the stored form)
+    int8 = swap_to_int8(model, int8_names, "triton" if device.type == "cuda" else "auto")
     dense = {k: v for k, v in state.items() if not k.endswith(INT4_SUFFIXES + INT8_SUFFIXES)}
     check_shapes(model, dense)
     model.load_state_dict(dense, assign=True)
@@ -233,8 +265,6 @@ def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: 
             raise CheckpointError(f"INT4 weights of {name}: {exc}") from None
         if release is not None:
             release([state[name + ".qweight"], state[name + ".scales_and_zeros"]])
-    if int8 and device.type != "cpu":
-        raise CheckpointError(f"INT8 layers run on the CPU only; this engine cannot load on {device}")
     for name, module in int8.items():
         try:
             module.load_quantized(state[name + ".qweight8"], state[name + ".scales8"])

@@ -96,6 +96,45 @@ def test_preset_engine_loads_what_it_stored_and_generates(presets, variant, pres
     assert [o.completion_tokens for o in out] == [12, 12]
 
 
+@pytest.mark.parametrize("variant", ["llama-tied", "llama3-rope-untied", "qwen2-bias"])
+def test_int8_weights_at_load_take_every_linear_left_dense(checkpoints, presets, tmp_path, variant):
+    """int8_weights: alone, every linear INT8 (the LM head too: a tied one as its own copy, the embedding
+    staying dense for the lookup; a projection with a bias stays dense); beside int4_ffn, the attention
+    projections and the head; the fingerprint says so; a dense engine directory quantized at load matches
+    the checkpoint; an engine that stores INT8 layers keeps its own; and the logits stay close to dense."""
+    src = checkpoints(variant)
+    cfg = dict(device="cpu", dtype="float32", kv_cache_memory_mb=16, max_model_len=256)
+    dense = O3Model.from_config(O3Config(model_path=src, **cfg)).engine
+    alone = O3Model.from_config(O3Config(model_path=src, int8_weights=True, **cfg)).engine
+    mixed = O3Model.from_config(O3Config(model_path=src, int8_weights=True, int4_ffn=True, int4_group_size=32,
+                                         **cfg)).engine
+
+    def kinds(engine):
+        return {n: type(mod).__name__ for n, mod in engine.runner.model.named_modules()
+                if isinstance(mod, (torch.nn.Linear, Int8Linear, Int4Linear))}
+
+    layers = dense.info.args.num_layers
+    biased = {f"layers.{i}.attn.qkv" for i in range(layers)} if variant == "qwen2-bias" else set()
+    assert {n for n, k in kinds(alone).items() if k != "Int8Linear"} == biased
+    assert "lm_head" in kinds(alone) and alone.runner.model.embed.weight.dtype == torch.float32
+    got = kinds(mixed)
+    assert all(k == ("Int4Linear" if ".mlp." in n else "Linear" if n in biased else "Int8Linear")
+               for n, k in got.items()), got
+    assert alone.info.fingerprint.endswith(":int8") and mixed.info.fingerprint.endswith(":int4g32:int8")
+    ids = alone.encode("def main():\n    return [x for x in range(10)]")
+    ref, a = dense.score(ids), alone.score(ids)
+    kl = torch.nn.functional.kl_div(a.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert kl < 0.01 and (a.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
+    engine = str(tmp_path / "dense")
+    build_engine_dir(src, engine, torch.float32, None)
+    built = O3Model.from_config(O3Config(model_path=engine, int8_weights=True, **cfg)).engine
+    assert kinds(built) == kinds(alone)
+    torch.testing.assert_close(built.score(ids), a, rtol=0, atol=0)
+    stored = presets(variant, "cpu-int4")  # INT8 attention and head stored, FFN INT4: nothing added at load
+    kept = O3Model.from_config(O3Config(backend="torch", model_path=stored, int8_weights=True, **cfg)).engine
+    assert sorted(n for n, k in kinds(kept).items() if k == "Int8Linear") == sorted(read_manifest(stored).int8_modules)
+
+
 @pytest.mark.parametrize("preset,max_kl,min_top1", [("cpu-int8", 0.002, 0.85), ("cpu-int4", 0.01, 0.75)])
 def test_preset_precision_report_within_bounds(presets, checkpoints, preset, max_kl, min_top1):
     """Against the float32 engine of the same (random) checkpoint; bounds stated in docs/engine-build.md."""

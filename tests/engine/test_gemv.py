@@ -172,6 +172,80 @@ def test_streamed_int4_rows_take_no_prologue():
                       out_features=8, silu=True, config=(8, 64, 1, 4, 1))
 
 
+def _act_quantized(x, group=32):
+    """x [M, K] as one row of INT8 weights sees it on dp4a: per group of 32 columns, codes round(x * 127 / max|x|)
+    (ties to even) times max|x| / 127, in float32 (the CPU's INT8 kernels quantize alike: cpu_kernels.h)."""
+    xg = x.float().view(x.shape[0], -1, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(xg * inv) * (amax / 127)).view(x.shape)
+
+
+def _int8(w):
+    """(codes int8 [N, K], scales float32 [N]) on the kernel device, and the dequantized weight in float32."""
+    from o3edge.engine.cpu_quant import dequantize_int8, quantize_int8
+
+    q, s = quantize_int8(w.float().cpu())
+    return q.to(DEV), s.to(DEV), dequantize_int8(q, s).to(DEV)
+
+
+# planned, split-K (the last split sums scaled partials), and at one row streamed (sums deferred or per tile)
+INT8_TILINGS = [(M, config) for M in (1, 3, 16, 33)
+                for config in (None, (16, 64, 4, 4)) + (((8, 64, 1, 4, 1), (16, 512, 1, 1, 1)) if M == 1 else ())]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,config", INT8_TILINGS)
+@pytest.mark.parametrize("pro", ["none", "norm", "silu"])
+@pytest.mark.parametrize("K", [320, 150])  # one row streamed: dp4a on whole activation groups; else in float
+def test_int8_weights_match_the_dequantized_linear(dtype, M, config, pro, K):
+    """INT8 codes with per-row scales, with each prologue, as the decode step runs them: prologue(x) @ (q * scale).T,
+    the activations in the model dtype (W8A16), or, for one row streamed on dp4a, quantized per 32 columns (W8A8)."""
+    N = 136
+    dp4a = M == 1 and K % 32 == 0 and (config is None or len(config) > 4)
+    g, x, w = _data(M, N, K, dtype, M + N, x_cols=2 * K if pro == "silu" else K)
+    q, s, wq = _int8(w)
+    kw = dict(scales8=s, config=config)
+    if pro == "norm":
+        res = torch.randn(M, K, generator=g).to(DEV, dtype)
+        nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, dtype)
+        out, _ = skinny_matmul(x, q, norm_weight=nw, residual=res.clone(), eps=1e-5, **kw)
+        act = add_rmsnorm_reference(x, res.clone(), nw, 1e-5)
+    elif pro == "silu":
+        out, act = skinny_matmul(x, q, silu=True, **kw), silu_mul_reference(x)
+    else:
+        out, act = skinny_matmul(x, q, **kw), x
+    assert out.dtype == dtype and out.shape == (M, N)
+    _close(out, F.linear(_act_quantized(act) if dp4a else act.float(), wq), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 130])  # decode rows on the skinny kernel; prefill's dequantized copy
+def test_int8_linear_on_triton_matches_its_dequantized_weight(dtype, rows):
+    from o3edge.engine.cpu_quant import Int8Linear
+
+    g, _, w = _data(1, 96, 160, dtype, rows)
+    q, s, wq = _int8(w)
+    layer = Int8Linear(160, 96, "triton")
+    layer.load_quantized(q, s)
+    x = torch.randn(2, rows, 160, generator=g).to(DEV, dtype)
+    out = layer(x)
+    assert out.shape == (2, rows, 96) and out.dtype == dtype
+    _close(out, x.float() @ wq.T, dtype)
+
+
+def test_int8_codes_are_read_exactly_at_both_ends():
+    """Codes -127, -1, 0, 1 and 127 on one row each, scale 1: the products are the activations times the codes
+    exactly (the bit trick that turns a code into a float must not be off by one anywhere)."""
+    K = 64
+    codes = torch.tensor([-127, -1, 0, 1, 127, -128 + 1, 5, -5], dtype=torch.int8)
+    q = codes[:, None].expand(-1, K).contiguous().to(DEV)
+    x = torch.zeros(1, K, device=DEV)
+    x[0, 3] = 1.0
+    out = skinny_matmul(x, q, scales8=torch.ones(len(codes), device=DEV))
+    assert out[0].cpu().tolist() == codes.float().tolist()
+
+
 def test_more_rows_than_a_decode_batch_are_refused():
     x, w = torch.zeros(65, 8, device=DEV), torch.zeros(8, 8, device=DEV)
     with pytest.raises(ValueError, match="at most 64"):
@@ -228,3 +302,32 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
     for stream in ("1", "wide"):
         monkeypatch.setenv("O3EDGE_INT4_STREAM", stream)
         _close(skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=128, out_features=2560), ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_planned_int8_tilings_at_model_shapes_on_the_gpu(dtype):
+    """INT8 weights as the decode step runs them at tinyllama's and llama-1b's shapes: one row streamed on dp4a
+    (PTX, which the interpreter never runs) with each prologue, against prologue, activations quantized per 32
+    columns, then linear on the dequantized weight; tiles of 8 and 32 rows and a prefill's dequantized copy
+    against the linear on the dequantized weight."""
+    from o3edge.engine.kernels.int8_matmul import int8_matmul
+
+    for N, K, pro in ((2560, 2048, "norm"), (2048, 2048, "none"), (2048, 5632, "silu"), (32000, 2048, "norm"),
+                      (16384, 2048, "norm"), (2048, 8192, "silu")):
+        g, x, w = _data(1, N, K, dtype, N + K, x_cols=2 * K if pro == "silu" else K)
+        q, s, wq = _int8(w)
+        if pro == "norm":
+            res = torch.randn(1, K, generator=g).to(DEV, dtype)
+            nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, dtype)
+            out, _ = skinny_matmul(x, q, norm_weight=nw, residual=res.clone(), eps=1e-5, scales8=s)
+            act = add_rmsnorm_reference(x, res.clone(), nw, 1e-5)
+        elif pro == "silu":
+            out, act = skinny_matmul(x, q, silu=True, scales8=s), silu_mul_reference(x)
+        else:
+            out, act = skinny_matmul(x, q, scales8=s), x
+        _close(out, F.linear(_act_quantized(act), wq), dtype)
+        for M in (8, 32, 100):
+            xm = torch.randn(M, K, generator=g).to(DEV, dtype)
+            _close(int8_matmul(xm, q, s), F.linear(xm.float(), wq), dtype)

@@ -118,6 +118,35 @@ def test_int4_attention_and_ffn_decode_in_graphs_as_their_modules_do_eagerly():
         assert sum(x == y for x, y in zip(a, b)) >= len(batch) - 1  # one bf16 near-tie at most
 
 
+@pytest.mark.parametrize("int4_ffn", [False, True])
+def test_int8_weights_decode_in_graphs_as_their_modules_do_eagerly_and_stay_close_to_dense(int4_ffn):
+    """int8_weights on the GPU (W8A16 by Triton; alone every linear, with int4_ffn the attention projections
+    and the tied LM head's own copy) on the trained reference checkpoint: the graph step's skinny INT8 kernels
+    (streamed at one row, tiles at 4) give the eager modules' greedy tokens, and a prompt's logits (a prefill
+    of more than 64 rows: the dequantized copy on cuBLAS) stay close to the dense engine's."""
+    from o3edge.engine.cpu_quant import Int8Linear
+    from o3edge.model_path import SHIPPED_MODEL
+
+    kw = dict(int8_weights=True, int4_ffn=int4_ffn, int4_group_size=32)
+    graphs, eager = engine(SHIPPED_MODEL, "bfloat16", **kw), engine(SHIPPED_MODEL, "bfloat16", cuda_graphs=False, **kw)
+    net = graphs.engine.runner.model
+    assert isinstance(net.lm_head, Int8Linear) and net.lm_head.kernel == "triton"
+    assert isinstance(net.layers[0].attn.qkv, Int8Linear) and isinstance(net.layers[0].mlp.down, Int8Linear) != int4_ffn
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    prompts = [graphs.engine.encode(p) for p in ["The json module", "The os module provides", *PROMPTS[:2]]]
+    for batch in (prompts[:1], prompts):
+        a = [r.token_ids for r in graphs.generate_batch(batch, params)]
+        b = [r.token_ids for r in eager.generate_batch(batch, params)]
+        assert sum(x == y for x, y in zip(a, b)) >= len(batch) - 1  # one bf16 near-tie at most
+    ids = graphs.engine.encode(PROMPTS[0] * 6)
+    assert len(ids) > 64
+    dense = engine(SHIPPED_MODEL, "bfloat16", int4_ffn=int4_ffn, int4_group_size=32).engine.score(ids)
+    ours = graphs.engine.score(ids)
+    kl = torch.nn.functional.kl_div(ours.log_softmax(-1), dense.log_softmax(-1), log_target=True,
+                                    reduction="batchmean")
+    assert kl < 0.01 and (ours.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
+
+
 def test_steps_launched_ahead_serve_sequences_that_end_and_cross_blocks_at_different_steps():
     """Captured decode graphs with launch ahead, sequences at different places in their KV blocks and
     ending at different steps (as in service): the eager path's tokens, and every decode step but the

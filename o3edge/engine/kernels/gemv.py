@@ -14,8 +14,10 @@ launch and no round trip through memory:
 Rounding follows the eager model: each intermediate is rounded to the model dtype where eager
 torch would round it.
 
-Weights are the model's own [N, K] dense matrix, or o3edge's device-neutral INT4 (quant.py: uint8
-[N, Kp/2], high nibble first, and bf16 scales and zeros [Kp/g, N, 2]), dequantized in registers.
+Weights are the model's own [N, K] dense matrix, o3edge's device-neutral INT4 (quant.py: uint8
+[N, Kp/2], high nibble first, and bf16 scales and zeros [Kp/g, N, 2]), dequantized in registers, or
+per-row INT8 (cpu_quant.py's form: int8 [N, K] and float32 scales [N], w = q * scale): the products
+are summed over the integers and each output scaled once.
 """
 
 from __future__ import annotations
@@ -81,6 +83,99 @@ def offset_half(u, offset: tl.constexpr):
     by bits: the half 0x6400 | u is 1024 + u, so one logic op and a half-precision subtract replace an
     int-to-float conversion (a quarter-rate instruction)."""
     return (u.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + offset)
+
+
+@triton.jit
+def int8_float(q):
+    """int8 codes as float32, exactly, by bits: the float 0x4B000000 | (u ^ 0x80) of the code's byte u is
+    2^23 + q + 128, so a logic op and a subtract replace an int-to-float conversion (a quarter-rate
+    instruction)."""
+    u = q.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x4B000080
+    return u.to(tl.float32, bitcast=True) - 8388736.0
+
+
+# One row of INT8 weights is multiplied as the CPU's INT8 kernels do (cpu_kernels.h): the activations are quantized
+# per group of 32 columns (scale max|x| / 127, codes rounded to nearest even), four codes to an int32 word, and
+# each word of weights meets its word of activations in one dp4a (four int8 products summed in int32); a word's
+# sum is scaled by its group's activation scale as a float, each output row by its weight scale at the end. ~0.75
+# instructions a weight, against ~3.3 for a weight turned into a float and multiplied (W8A16: tried first; on
+# the H200 one row then streamed no faster than fp16's twice as many bytes).
+DP4A = tl.constexpr("dp4a.s32.s32 $0, $1, $2, 0;")
+ACT_GROUP = tl.constexpr(32)  # activation columns that share a scale (cpu_ext.activation_group's first choice)
+
+
+@triton.jit
+def _dp4a(w, x):
+    """Each int32 word of four int8 codes in w times its word in x, summed: int32."""
+    if INTERPRETED:  # the interpreter runs no PTX: the bytes sign-extended and multiplied one by one
+        return (((w << 24) >> 24) * ((x << 24) >> 24) + ((w << 16) >> 24) * ((x << 16) >> 24)
+                + ((w << 8) >> 24) * ((x << 8) >> 24) + (w >> 24) * (x >> 24))
+    return tl.inline_asm_elementwise(DP4A, "=r,r,r", [w, x], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _rounded(v):
+    """float32 -> the nearest integer (ties to even), as float32."""
+    if INTERPRETED:  # 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 to an integer in the FPU's mode
+        return (v + 12582912.0) - 12582912.0
+    return tl.extra.cuda.libdevice.rint(v)
+
+
+@triton.jit
+def _quantized_x(x, BLOCK_K: tl.constexpr):
+    """An activation tile x [1, BLOCK_K] quantized per group of ACT_GROUP columns: (int32 words of four codes
+    [BLOCK_K // 4], code i of a word in byte i; each word's group scale [BLOCK_K // 4] float32)."""
+    xf = tl.reshape(x.to(tl.float32), [BLOCK_K // ACT_GROUP, ACT_GROUP])
+    amax = tl.max(tl.abs(xf), axis=1)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    q = _rounded(xf * inv[:, None]).to(tl.int32)
+    qe, qo = tl.split(tl.reshape(q, [BLOCK_K // 4, 2, 2]))  # [j, a]: columns 4j + 2a, 4j + 2a + 1
+    q0, q2 = tl.split(qe)
+    q1, q3 = tl.split(qo)
+    words = (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24)
+    scale = tl.broadcast_to((amax / 127.0)[:, None], [BLOCK_K // ACT_GROUP, ACT_GROUP // 4])
+    return words, tl.reshape(scale, [BLOCK_K // 4])
+
+
+@triton.jit
+def _int8_words(w_ptr, rn, n_mask, k0, K, stride_w, BLOCK_K: tl.constexpr):
+    """INT8 rows rn, columns k0 .. k0+BLOCK_K, as int32 words of four codes [BLOCK_N, BLOCK_K // 4] (K and the
+    row stride multiples of 4; columns past K read as code 0)."""
+    j = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+    return tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rn[:, None] * (stride_w // 4) + j[None, :],
+                   mask=n_mask[:, None] & (j < K // 4)[None, :], other=0)
+
+
+@triton.jit
+def _int8_word_dots(acc, q, xw, xs):
+    """acc [BLOCK_N, BLOCK_K // 4] float32 + each weight word's dp4a with its activation word, times the word's
+    activation scale."""
+    return acc + _dp4a(q, xw[None, :]).to(tl.float32) * xs[None, :]
+
+
+@triton.jit
+def _int8_half(q, dtype: tl.constexpr):
+    """A tile of INT8 codes in the model dtype, exactly: float16 by bits (offset_half: no int-to-float conversion,
+    which the compiler emits for float16), other types by conversion (bfloat16's the compiler makes by bits)."""
+    if dtype == tl.float16:
+        return offset_half(q.to(tl.uint8, bitcast=True) ^ 0x80, 128)
+    return q.to(dtype)
+
+
+@triton.jit
+def _as_float(w, INT8: tl.constexpr):
+    """A dense or INT8 weight tile as float32."""
+    if INT8:
+        return int8_float(w)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _row_scaled(acc, sz_ptr, rn, n_mask, INT8: tl.constexpr):
+    """acc [..., BLOCK_N] (sums over INT8 codes: each output row's scale applied) float32."""
+    if INT8:
+        acc = acc * tl.load(sz_ptr + rn, mask=n_mask, other=0.0)
+    return acc
 
 
 @triton.jit
@@ -336,7 +431,8 @@ def _dot(x, w, acc, IEEE: tl.constexpr):
 @triton.jit
 def weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_K: tl.constexpr, dtype: tl.constexpr, ASM: tl.constexpr = False):
-    """Weight rows rn, columns k0 .. k0+BLOCK_K, as [BLOCK_N, BLOCK_K] in the model dtype."""
+    """Weight rows rn, columns k0 .. k0+BLOCK_K, as [BLOCK_N, BLOCK_K] in the model dtype (INT8: the codes
+    as stored, int8)."""
     if INT4 and ASM:
         w = _int4_tile_asm(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, GROUP, BLOCK_K, dtype)
     elif INT4:
@@ -357,7 +453,8 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
                    PRO: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, IEEE: tl.constexpr,
                    SPLITS: tl.constexpr, PDL: tl.constexpr, PACKED: tl.constexpr = False,
-                   SWAP: tl.constexpr = False, ASM: tl.constexpr = False, SILU_OUT: tl.constexpr = False):
+                   SWAP: tl.constexpr = False, ASM: tl.constexpr = False, SILU_OUT: tl.constexpr = False,
+                   INT8: tl.constexpr = False):
     pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -392,15 +489,19 @@ def _skinny_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr,
         else:
             w = weight_tile(w_ptr, sz_ptr, rn, n_mask, k0, K, N, stride_w, INT4, GROUP, BLOCK_K, dtype, ASM)
             if BLOCK_M == 1:
-                acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-            elif SWAP:  # the weight tile is the dot's first operand (on Hopper it may stay in registers)
-                acc_t = _dot(w, x, acc_t, IEEE)  # w @ x.T
+                acc1 += tl.sum(_as_float(w, INT8) * x.to(tl.float32), axis=1)
             else:
-                acc = _dot(x, w, acc, IEEE)
+                if INT8:  # codes of at most 127 are exact in either half type
+                    w = _int8_half(w, dtype)
+                if SWAP:  # the weight tile is the dot's first operand (on Hopper it may stay in registers)
+                    acc_t = _dot(w, x, acc_t, IEEE)  # w @ x.T
+                else:
+                    acc = _dot(x, w, acc, IEEE)
     if BLOCK_M == 1:
         acc = acc1[None, :]
     elif SWAP:
         acc = tl.trans(acc_t)
+    acc = _row_scaled(acc, sz_ptr, rn[None, :], n_mask[None, :], INT8)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + rn, mask=n_mask & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -446,13 +547,16 @@ def _next_tile(rn, kt: tl.constexpr, programs, K_TILES: tl.constexpr, BLOCK_N: t
 def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.constexpr,
                        stride_x, stride_w, eps, PRO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        K_TILES: tl.constexpr, BLOCKS: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
-                       INT4: tl.constexpr = False, GROUP: tl.constexpr = 1, PACKED: tl.constexpr = False):
+                       INT4: tl.constexpr = False, GROUP: tl.constexpr = 1, PACKED: tl.constexpr = False,
+                       INT8: tl.constexpr = False, WORDS: tl.constexpr = False):
     """One activation row, a few programs per SM: each streams the row blocks pid, pid + programs, ...
     tile after tile, the next weight tile's load issued before the current tile is used. The prologue's
     statistics are computed once per program, not once per row block, and the first tile is in flight
     before the wait for the previous kernel (weights are no kernel's output).
     DEFER (dense): products are summed across threads once per row block instead of once per tile.
-    INT4: the stored tile (words for the packed dot) is what is in flight; it is unpacked when used."""
+    INT4: the stored tile (words for the packed dot) is what is in flight; it is unpacked when used.
+    INT8: as dense, on the codes (int8_float), each row's sum scaled at the end; WORDS: int32 words of four
+    codes, the activations quantized (_quantized_x) and multiplied by dp4a."""
     pdl.launch_next(PDL)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
@@ -462,16 +566,21 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
     rn = pid * BLOCK_N + rows
     if INT4:
         q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn, rn < N, 0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
+    elif WORDS:
+        w_next = _int8_words(w_ptr, rn, rn < N, 0, K, stride_w, BLOCK_K)
     else:
         w_next = weight_tile(w_ptr, None, rn, rn < N, 0, K, N, stride_w, False, 1, BLOCK_K, dtype)
     pdl.wait_for_previous(PDL)
     rstd = tl.zeros([1], tl.float32)
     if PRO == 1:
         rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, rm, m_mask, K, stride_x, eps, pid == 0, 1, BLOCK_K, dtype)
+    if WORDS and K_TILES == 1:  # the whole row quantized once, for every row block
+        xw0, xs0 = _quantized_x(_input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, tl.arange(0, BLOCK_K), K, stride_x,
+                                            rstd, PRO, dtype), BLOCK_K)
     for b in range(BLOCKS):
         rn = (pid + b * programs) * BLOCK_N + rows
         acc = tl.zeros([BLOCK_N], tl.float32)
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K // (1 + 3 * WORDS)], tl.float32)
         for kt in tl.static_range(K_TILES):
             rn2, k2 = _next_tile(rn, kt, programs, K_TILES, BLOCK_N, BLOCK_K)
             x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kt * BLOCK_K + tl.arange(0, BLOCK_K), K, stride_x,
@@ -481,15 +590,27 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
                 q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP,
                                                         BLOCK_K, PACKED)
                 acc += _int4_tile_row_dot(x, q, sc, zr, GROUP, BLOCK_K, PACKED)
+            elif WORDS:
+                w = w_next
+                w_next = _int8_words(w_ptr, rn2, rn2 < N, k2, K, stride_w, BLOCK_K)
+                if K_TILES == 1:
+                    xw, xs = xw0, xs0
+                else:
+                    xw, xs = _quantized_x(x, BLOCK_K)
+                if DEFER:
+                    acc2 = _int8_word_dots(acc2, w, xw, xs)
+                else:
+                    acc += tl.sum(_int8_word_dots(tl.zeros([BLOCK_N, BLOCK_K // 4], tl.float32), w, xw, xs), axis=1)
             else:
                 w = w_next
                 w_next = weight_tile(w_ptr, None, rn2, rn2 < N, k2, K, N, stride_w, False, 1, BLOCK_K, dtype)
                 if DEFER:
-                    acc2 += w.to(tl.float32) * x.to(tl.float32)
+                    acc2 += _as_float(w, INT8) * x.to(tl.float32)
                 else:
-                    acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
+                    acc += tl.sum(_as_float(w, INT8) * x.to(tl.float32), axis=1)
         if DEFER and not INT4:
             acc = tl.sum(acc2, axis=1)
+        acc = _row_scaled(acc, sz_ptr, rn, rn < N, INT8)
         if bias_ptr is not None:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
@@ -589,6 +710,13 @@ def asm_int4(x: torch.Tensor) -> bool:
             and os.environ.get("O3EDGE_INT4_ASM", "1") != "0")
 
 
+def dp4a_int8(x: torch.Tensor, K: int, block_k: int) -> bool:
+    """Whether one row of INT8 weights runs on dp4a, its activations quantized per group of 32 columns as the CPU's
+    INT8 kernels quantize them (W8A8), rather than multiplied in float (W8A16): where K and the tile are whole
+    groups, unless O3EDGE_INT8_DP4A=0."""
+    return K % ACT_GROUP.value == 0 and block_k % ACT_GROUP.value == 0 and os.environ.get("O3EDGE_INT8_DP4A") != "0"
+
+
 def stream_int4(N: int, K: int) -> bool:
     """Whether a one-row INT4 matmul streams its row blocks (_row_stream_kernel, the packed dot on stored
     words in flight) like dense ones: every shape, unless O3EDGE_INT4_STREAM=0 (or O3EDGE_GEMV_STREAM=0);
@@ -664,7 +792,7 @@ def swap_int4(M: int, N: int) -> bool:
     return M >= 32
 
 
-def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) -> tuple[int, ...]:
+def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False, int8: bool = False) -> tuple[int, ...]:
     """(BLOCK_N, BLOCK_K, splits, num_warps[, programs per SM[, pipeline stages]]) for an M x K by K x N
     skinny matmul; a fifth entry streams one row (_row_stream_kernel; dense weights, INT4 where stream_int4
     says) or two INT4 rows (_rows_stream_kernel, rows_int4) on that many programs per SM, a sixth sets the
@@ -674,7 +802,9 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) ->
     in flight; dense weights stream on 6-8 programs per SM. The best tilings of H200 grid searches
     (tools/bench_gemv.py --grid: docs/results/gpu-2026-11-30/gemv-grid*.json, then
     docs/results/gpu-2026-12-01/gemv-grid-stream*.json), as rules by shape. O3EDGE_GEMV_STREAM=0 turns
-    streaming off (to measure against)."""
+    streaming off (to measure against). INT8 weights take the dense tilings (int8_plan)."""
+    if int8:
+        return int8_plan(M, N, K, num_sms)
     if M > 1 and int4 and rows_int4(M):  # streamed rows (rows_int4): fifth entry, programs per SM
         return (8, 2048, 1, 8, 4) if K >= 4096 else (8, 1024, 1, 4, 4)
     if M > 1 and int4 and asm:  # the packed dequantize (asm_int4), sixth entry: pipeline stages
@@ -717,6 +847,21 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False) ->
     return 4, block_k, 1, 8
 
 
+def int8_plan(M: int, N: int, K: int, num_sms: int) -> tuple[int, ...]:
+    """plan() for INT8 weights. One row: streamed, whole 2,048-column tiles of 8 rows, 8 warps, 4 programs per SM
+    (within 0.3 us of the best of an H200 grid for every projection of tinyllama-1.1b and llama-1b; the dense
+    rules were up to 1.7 us slower: docs/results/gpu-2026-12-04-int8/call2/gemv-int8-grid1.json). Tiles of several
+    rows (from 32 swapped, swap_int4), by the grid at 8 and 32 rows (gemv-int8-grid32.json): the LM head in whole
+    256-column steps, wide layers (gate/up) split in four along K, narrow ones (QKV, down) in eight."""
+    if M == 1:
+        return 8, min(2048, triton.next_power_of_2(K)), 1, 8, 4
+    if N > 16384:
+        return (64, 256, 1, 4, 0, 3) if M <= 16 else (64, 128, 1, 4, 0, 4)
+    if N >= 8192:
+        return 64, 128, 4, 4, 0, 3
+    return (32, 256, 8, 4, 0, 4) if M <= 16 else (64, 256, 8, 4, 0, 3)
+
+
 def _asm_tiling(M: int, N: int) -> tuple[int, ...]:
     """plan() for INT4 tiles of 2-64 rows dequantized a word at a time (asm_int4). 2-16 rows run one
     16-row tile (Triton pads to it), so the best tilings at 8 rows hold there; at 32 the tiles are swapped
@@ -737,7 +882,8 @@ def _asm_tiling(M: int, N: int) -> tuple[int, ...]:
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: torch.Tensor | None = None,
                   group_size: int = 0, out_features: int | None = None, bias: torch.Tensor | None = None,
                   norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
-                  silu: bool = False, silu_out: bool = False, config: tuple[int, ...] | None = None):
+                  silu: bool = False, silu_out: bool = False, scales8: torch.Tensor | None = None,
+                  config: tuple[int, ...] | None = None):
     """y = prologue(x) @ W.T (+ bias) for x [M <= MAX_ROWS, *].
 
     - plain: x [M, K];
@@ -746,11 +892,12 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     - silu: x [M, 2K] holds gate then up; prologue = SiLU(gate) * up;
     - silu_out: W's rows are gate then up (a fused gate/up projection, N even); returns SiLU(gate) * up
       [M, N / 2], made in the tiles' epilogue (tiles of 2-64 rows, not streamed rows), no kernel after.
-    weight: dense [N, K] in x's dtype, or INT4 qweight uint8 [N, Kp/2] with scales_and_zeros, group_size
-    and out_features. config overrides plan() (for the benchmark).
+    weight: dense [N, K] in x's dtype, INT4 qweight uint8 [N, Kp/2] with scales_and_zeros, group_size
+    and out_features, or INT8 codes int8 [N, K] with their rows' float32 scales8 [N]. config overrides
+    plan() (for the benchmark).
     """
     M = x.shape[0]
-    int4 = scales_and_zeros is not None
+    int4, int8 = scales_and_zeros is not None, scales8 is not None
     N = out_features if int4 else weight.shape[0]
     K = x.shape[1] // 2 if silu else x.shape[1]
     if M > MAX_ROWS or x.stride(-1) != 1:
@@ -759,7 +906,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
 
     sms = num_sms(str(x.device))
     asm = int4 and M > 1 and asm_int4(x)
-    block_n, block_k, splits, warps, *extra = config or plan(M, N, K, int4, sms, asm)
+    block_n, block_k, splits, warps, *extra = config or plan(M, N, K, int4, sms, asm, int8)
     per_sm = extra[0] if extra else 0  # a fifth entry: programs per SM of a stream; a sixth: pipeline stages
     stages = {"num_stages": extra[1]} if len(extra) > 1 and extra[1] else {}
     if INTERPRET and config is None:  # Triton's interpreter (CPU tests): fewer, wider programs run faster
@@ -777,15 +924,18 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         raise ValueError(f"SiLU in the epilogue takes tiles of 2-{MAX_ROWS} rows, no prologue, an even N; got "
                          f"{M} rows, N={N}" + (", streamed" if per_sm else ""))
     if per_sm and M == 1:
+        # one row of INT8 weights by dp4a where whole activation groups tile the row (dp4a_int8)
+        words = int8 and dp4a_int8(x, K, block_k) and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
         if INTERPRET and config is None:  # each program recomputes the prologue's statistics: two programs
             programs = min(programs, 2)
         _row_stream_kernel[(programs,)](
-            x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, out, N, K, x.stride(0),
-            weight.stride(0), eps, PRO=pro, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(K, block_k),
-            BLOCKS=triton.cdiv(blocks, programs),
-            DEFER=not int4 and block_n * block_k <= 32 * 32 * warps,  # at most 32 float32 partial sums a thread
-            PDL=on, INT4=int4, GROUP=max(group_size, 1), PACKED=int4 and packed_int4(x), num_warps=warps,
-            **pdl.launch_options(on))
+            x, residual, res_out, norm_weight, weight, scales8 if int8 else scales_and_zeros, bias, out, N, K,
+            x.stride(0), weight.stride(0), eps, PRO=pro, BLOCK_N=block_n, BLOCK_K=block_k,
+            K_TILES=triton.cdiv(K, block_k), BLOCKS=triton.cdiv(blocks, programs),
+            # at most 32 float32 partial sums a thread
+            DEFER=not int4 and block_n * block_k // (4 if words else 1) <= 32 * 32 * warps,
+            PDL=on, INT4=int4, GROUP=max(group_size, 1), PACKED=int4 and packed_int4(x), INT8=int8, WORDS=words,
+            num_warps=warps, **pdl.launch_options(on))
         return (out, x if residual is None else res_out) if pro == PRO_NORM else out
     if per_sm and int4:  # several rows of INT4 weights, streamed (rows_int4)
         if pro != PRO_NONE or M > 16:
@@ -803,11 +953,11 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     part = out if splits == 1 else torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
     count = out if splits == 1 else arrival_counters(x.device, grid[0])
     _skinny_kernel[grid](
-        x, residual, res_out, norm_weight, weight, scales_and_zeros, bias, out, part, count,
+        x, residual, res_out, norm_weight, weight, scales8 if int8 else scales_and_zeros, bias, out, part, count,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), M * N, eps, k_per_split,
         PRO=pro, INT4=int4, GROUP=max(group_size, 1), BLOCK_M=1 if M == 1 else max(16, triton.next_power_of_2(M)),
         BLOCK_N=block_n, BLOCK_K=block_k, ITERS=iters, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=on, PACKED=packed_int4(x) and int4 and M == 1, SWAP=int4 and swap_int4(M, N),
-        ASM=asm, SILU_OUT=silu_out, num_warps=warps, **stages, **pdl.launch_options(on),
+        PDL=on, PACKED=packed_int4(x) and int4 and M == 1, SWAP=(int4 or int8) and swap_int4(M, N),
+        ASM=asm, SILU_OUT=silu_out, INT8=int8, num_warps=warps, **stages, **pdl.launch_options(on),
         **(int4_register_cap(M, warps, grid[0] * grid[1], sms) if asm else {}))
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
