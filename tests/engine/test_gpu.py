@@ -99,6 +99,17 @@ def test_programmatic_dependent_launch_changes_no_token(checkpoints, monkeypatch
     assert a == b and a1 == b1
 
 
+def _same_greedy_tokens(graphs, eager):
+    """A trained model's greedy tokens from the decode graphs and from the eager modules, alone and four at once,
+    agree (one bf16 near-tie at most a batch)."""
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    prompts = [graphs.engine.encode(p) for p in ["The json module", "The os module provides", *PROMPTS[:2]]]
+    for batch in (prompts[:1], prompts):
+        a = [r.token_ids for r in graphs.generate_batch(batch, params)]
+        b = [r.token_ids for r in eager.generate_batch(batch, params)]
+        assert sum(x == y for x, y in zip(a, b)) >= len(batch) - 1
+
+
 def test_int4_attention_and_ffn_decode_in_graphs_as_their_modules_do_eagerly():
     """INT4 attention projections and FFN (int4_all on the trained reference checkpoint, whose tied LM head
     stays dense): the graph step's skinny INT4 kernels (the packed dot at one row, dequantized tiles at 4)
@@ -110,19 +121,14 @@ def test_int4_attention_and_ffn_decode_in_graphs_as_their_modules_do_eagerly():
     kw = dict(int4_ffn=True, int4_all=True, int4_group_size=32)
     graphs, eager = engine(SHIPPED_MODEL, "bfloat16", **kw), engine(SHIPPED_MODEL, "bfloat16", cuda_graphs=False, **kw)
     assert isinstance(graphs.engine.runner.model.layers[0].attn.qkv, Int4Linear)
-    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    prompts = [graphs.engine.encode(p) for p in ["The json module", "The os module provides", *PROMPTS[:2]]]
-    for batch in (prompts[:1], prompts):
-        a = [r.token_ids for r in graphs.generate_batch(batch, params)]
-        b = [r.token_ids for r in eager.generate_batch(batch, params)]
-        assert sum(x == y for x, y in zip(a, b)) >= len(batch) - 1  # one bf16 near-tie at most
+    _same_greedy_tokens(graphs, eager)
 
 
 @pytest.mark.parametrize("int4_ffn", [False, True])
 def test_int8_weights_decode_in_graphs_as_their_modules_do_eagerly_and_stay_close_to_dense(int4_ffn):
-    """int8_weights on the GPU (W8A16 by Triton; alone every linear, with int4_ffn the attention projections
-    and the tied LM head's own copy) on the trained reference checkpoint: the graph step's skinny INT8 kernels
-    (streamed at one row, tiles at 4) give the eager modules' greedy tokens, and a prompt's logits (a prefill
+    """int8_weights on the GPU (Triton; alone every linear, with int4_ffn the attention projections and the
+    tied LM head's own copy) on the trained reference checkpoint: the graph step's skinny INT8 kernels
+    (streamed on dp4a at one row, tiles at 4) give the eager modules' greedy tokens, and a prompt's logits (a prefill
     of more than 64 rows: the dequantized copy on cuBLAS) stay close to the dense engine's."""
     from o3edge.engine.cpu_quant import Int8Linear
     from o3edge.model_path import SHIPPED_MODEL
@@ -132,12 +138,7 @@ def test_int8_weights_decode_in_graphs_as_their_modules_do_eagerly_and_stay_clos
     net = graphs.engine.runner.model
     assert isinstance(net.lm_head, Int8Linear) and net.lm_head.kernel == "triton"
     assert isinstance(net.layers[0].attn.qkv, Int8Linear) and isinstance(net.layers[0].mlp.down, Int8Linear) != int4_ffn
-    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    prompts = [graphs.engine.encode(p) for p in ["The json module", "The os module provides", *PROMPTS[:2]]]
-    for batch in (prompts[:1], prompts):
-        a = [r.token_ids for r in graphs.generate_batch(batch, params)]
-        b = [r.token_ids for r in eager.generate_batch(batch, params)]
-        assert sum(x == y for x, y in zip(a, b)) >= len(batch) - 1  # one bf16 near-tie at most
+    _same_greedy_tokens(graphs, eager)
     ids = graphs.engine.encode(PROMPTS[0] * 6)
     assert len(ids) > 64
     dense = engine(SHIPPED_MODEL, "bfloat16", int4_ffn=int4_ffn, int4_group_size=32).engine.score(ids)
