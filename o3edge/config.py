@@ -32,8 +32,8 @@ class O3Config:
     int4_ffn: bool = False  # weight-only INT4 for the FFN projections
     int4_all: bool = False  # with int4_ffn: INT4 for every linear (attention projections, an untied LM head)
     int4_lm_head: bool = False  # with int4_ffn: the LM head INT4 too (tied: its own copy; quantized at load)
-    # INT8 weights (per-row scales; on a GPU weight-only, W8A16) for every linear not in INT4: with int4_ffn the
-    # attention projections and the LM head (tied: its own copy), alone every linear; quantized at load
+    # INT8 weights (per-row scales) for every linear not in INT4: with int4_ffn the attention projections and the
+    # LM head (tied: its own copy), alone every linear; quantized at load (docs/engine-build.md)
     int8_weights: bool = False
     int4_group_size: int = 128
     kv_block_size: int = 32  # tokens per KV block

@@ -15,9 +15,10 @@ kernel, and the layout it wants, is picked when the engine loads (`pick_int8_ker
 - "int8pack": `_weight_int8pack_mm` with bf16 activations (weight-only, no activation rounding
   beyond bf16); for builds of torch without fbgemm.
 - "dense": the dequantized float32 weight and MKL; correct everywhere, as large as float32.
-- "triton": on a CUDA GPU (`[engine] int8_weights`), o3edge's own weight-only kernels
-  (kernels/int8_matmul.py: the codes as stored, activations in the model dtype, each output row scaled
-  once; W8A16). Also runs under Triton's interpreter on CPU tensors (the kernel tests).
+- "triton": on a CUDA GPU (`[engine] int8_weights`), o3edge's own kernels on the codes as stored
+  (kernels/int8_matmul.py): one activation row quantized per group of 32 columns as "vnni" does and
+  multiplied by dp4a; more rows in the model dtype (W8A16); each output row scaled once. Also runs under
+  Triton's interpreter on CPU tensors (the kernel tests).
 """
 
 from __future__ import annotations
@@ -224,10 +225,15 @@ def int4_targets(model: nn.Module, preset: Preset) -> list[str]:
 
 
 def int8_targets(model: nn.Module, preset: Preset) -> list[str]:
-    """Module names a preset stores in INT8: the attention projections, FFN and LM head that are not INT4.
+    """Module names a preset stores in INT8: the attention projections, FFN and LM head that are not INT4."""
+    return int8_linears(model, int4_targets(model, preset))
+
+
+def int8_linears(model: nn.Module, int4_names: list[str]) -> list[str]:
+    """The attention projections, FFN and LM head of model not in int4_names (a tied LM head too: its own copy).
 
     Layers with a bias (Qwen2's qkv) stay dense: Int8Linear is bias-free."""
-    int4 = set(int4_targets(model, preset))
+    int4 = set(int4_names)
     names = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and name.endswith(ATTN_MODULES + FFN_MODULES) and name not in int4:

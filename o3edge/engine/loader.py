@@ -16,7 +16,8 @@ from torch.overrides import TorchFunctionMode
 from o3edge import memory
 from o3edge.engine import gptq
 from o3edge.engine.checkpoint import ModelArgs, load_tensors, read_model_args
-from o3edge.engine.cpu_quant import LM_HEAD, Preset, int4_targets, int8_targets, quantize_int8, swap_to_int8
+from o3edge.engine.cpu_quant import (LM_HEAD, Preset, int4_targets, int8_linears, int8_targets, quantize_int8,
+                                     swap_to_int8)
 from o3edge.engine.cpu_quant import SUFFIXES as INT8_SUFFIXES
 from o3edge.engine.engine_dir import is_engine_dir, load_weights, read_manifest
 from o3edge.engine.model import RMSNorm, Transformer, hf_weight_map
@@ -58,18 +59,9 @@ def int4_modules(args: ModelArgs, group_size: int, every_linear: bool = False, l
 
 def int8_modules(args: ModelArgs, int4_names: list[str]) -> list[str]:
     """The linears `int8_weights` stores in INT8: every one not in int4_names, the LM head too (a tied one: its
-    own INT8 copy of the embedding, which stays dense for the lookup); a linear with a bias stays dense
-    (Int8Linear is bias-free)."""
+    own INT8 copy of the embedding, which stays dense for the lookup); a linear with a bias stays dense."""
     with on_meta():
-        model = Transformer(args)
-    int4, names = set(int4_names), []
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and name not in int4:
-            if mod.bias is None:
-                names.append(name)
-            else:
-                log.info("%s stays dense: INT8 layers are bias-free", name)
-    return names + ([LM_HEAD] if model.lm_head is None and LM_HEAD not in int4 else [])
+        return int8_linears(Transformer(args), int4_names)
 
 
 def preset_modules(args: ModelArgs, preset: Preset) -> tuple[list[str], list[str]]:

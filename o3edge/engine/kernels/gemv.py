@@ -710,7 +710,7 @@ def asm_int4(x: torch.Tensor) -> bool:
             and os.environ.get("O3EDGE_INT4_ASM", "1") != "0")
 
 
-def dp4a_int8(x: torch.Tensor, K: int, block_k: int) -> bool:
+def dp4a_int8(K: int, block_k: int) -> bool:
     """Whether one row of INT8 weights runs on dp4a, its activations quantized per group of 32 columns as the CPU's
     INT8 kernels quantize them (W8A8), rather than multiplied in float (W8A16): where K and the tile are whole
     groups, unless O3EDGE_INT8_DP4A=0."""
@@ -802,7 +802,7 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False, in
     in flight; dense weights stream on 6-8 programs per SM. The best tilings of H200 grid searches
     (tools/bench_gemv.py --grid: docs/results/gpu-2026-11-30/gemv-grid*.json, then
     docs/results/gpu-2026-12-01/gemv-grid-stream*.json), as rules by shape. O3EDGE_GEMV_STREAM=0 turns
-    streaming off (to measure against). INT8 weights take the dense tilings (int8_plan)."""
+    streaming off (to measure against). INT8 weights have their own rules (int8_plan)."""
     if int8:
         return int8_plan(M, N, K, num_sms)
     if M > 1 and int4 and rows_int4(M):  # streamed rows (rows_int4): fifth entry, programs per SM
@@ -925,7 +925,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
                          f"{M} rows, N={N}" + (", streamed" if per_sm else ""))
     if per_sm and M == 1:
         # one row of INT8 weights by dp4a where whole activation groups tile the row (dp4a_int8)
-        words = int8 and dp4a_int8(x, K, block_k) and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
+        words = int8 and dp4a_int8(K, block_k) and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
         if INTERPRET and config is None:  # each program recomputes the prologue's statistics: two programs
             programs = min(programs, 2)
         _row_stream_kernel[(programs,)](

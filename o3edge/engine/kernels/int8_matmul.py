@@ -1,11 +1,12 @@
-"""Weight-only INT8 matmul (W8A16) by Triton, from the per-row INT8 form of cpu_quant.py.
+"""INT8 matmul by Triton, from the per-row INT8 form of cpu_quant.py.
 
-W is stored as int8 codes q [N, K] and float32 scales [N], w = q * scale per output row; the
-activations stay in the model dtype (float16, bfloat16; float32 under Triton's interpreter).
+W is stored as int8 codes q [N, K] and float32 scales [N], w = q * scale per output row; x and the
+result are in the model dtype (float16, bfloat16; float32 under Triton's interpreter).
 
 - Decode-sized inputs (<= gemv.MAX_ROWS rows) run the skinny kernel (kernels/gemv.py): each weight
-  byte is read once, its products summed over the integer codes and each output scaled once, so a
-  step reads half of fp16's bytes for these layers.
+  byte is read once and each output scaled once, so a step reads half of fp16's bytes for these
+  layers. One row is quantized per 32 columns and multiplied by dp4a (gemv.dp4a_int8); more rows
+  multiply the codes made half precision on the tensor cores (W8A16).
 - Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch matrix in the
   model dtype by one streaming kernel and multiplied on cuBLAS, as int4_matmul.py does.
 """
