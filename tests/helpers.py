@@ -49,3 +49,13 @@ def require_triton():
     import pytest
 
     return require("triton") if sys.platform == "linux" else pytest.importorskip("triton")
+
+
+def act_quantized(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """x [M, K] as one streamed row of INT8 or INT4 weights sees it on dp4a (kernels/gemv.py): per group of 32
+    columns, codes round(x * 127 / max|x|) (ties to even) times max|x| / 127, in float32 (the CPU's INT8 kernels
+    quantize alike: cpu_kernels.h)."""
+    xg = x.float().view(x.shape[0], -1, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(xg * inv) * (amax / 127)).view(x.shape)

@@ -60,8 +60,9 @@ def grid(M: int, weights: str) -> list[tuple[int, ...]]:
     if M == 1 and weights == "int8":  # streamed like dense, tiles of half the bytes: wider ones too
         return list(itertools.product((8, 16, 32), (1024, 2048), (1,), (4, 8), (4, 6, 8)))
     if M == 1:
-        if int4 and os.environ.get("O3EDGE_INT4_STREAM") != "0":  # streamed row blocks, as dense (stream_int4)
-            return list(itertools.product((4, 8, 16, 32), (1024, 2048), (1,), (4, 8), (2, 4, 8)))
+        if int4 and os.environ.get("O3EDGE_INT4_STREAM") != "0":  # streamed row blocks, as dense (stream_int4);
+            # on dp4a (dp4a_int4) ~70 registers a thread, not ~125: 6 programs per SM too
+            return list(itertools.product((4, 8, 16, 32), (1024, 2048), (1,), (4, 8), (2, 4, 6, 8)))
         if int4:
             return list(itertools.product((4, 8, 16), (512, 1024), (1, 2), (4, 8)))
         return list(itertools.product((4, 8, 16), (1024, 2048), (1,), (4, 8), (4, 6, 8)))

@@ -10,7 +10,7 @@ prompts (a new set for every generation, so prefix reuse never helps), 128 new g
 llama.cpp figures are parsed from the logs of `.peer/run.sh` (tools/bench_gpu_vs_llamacpp.sh runs it
 in the same device call); transformers runs in this process.
 
-  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--int4-all] [--int4-head] [--int8]
+  python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--int4-all] [--int4-head] [--int8] [--int4-int8]
          [--sampled [--sampled-only TEXT]] [--model DIR]
          [--llamacpp BENCH_LOG,ENERGY_LOG] [--skip-hf] [--json OUT] [--plot OUT.png]
 """
@@ -232,7 +232,9 @@ def main():
     ap.add_argument("--int4-all", action="store_true", help="also run o3edge with every linear in INT4")
     ap.add_argument("--int4-head", action="store_true", help="also run o3edge with INT4 FFN and LM head")
     ap.add_argument("--int8", action="store_true",
-                    help="also run o3edge with INT8 weights (W8A16): every linear, and beside INT4 FFN the rest")
+                    help="also run o3edge with INT8 weights: every linear, and beside INT4 FFN the rest")
+    ap.add_argument("--int4-int8", action="store_true",
+                    help="also run o3edge with INT4 FFN and INT8 weights for the rest (without --int8's every linear)")
     ap.add_argument("--sampled", action="store_true",
                     help="also run o3edge with sampled requests (seeded): T 1.0; T 0.7, top-p 0.9, top-k 40; "
                          "T 0.7, top-p 0.9")
@@ -293,6 +295,7 @@ def measure(a, batches) -> dict:
     if a.int8:
         r["systems"][INT8] = bench_o3(path, a.dtype, batches, energy, int8=True)
         print(INT8, json.dumps(r["systems"][INT8]), flush=True)
+    if a.int8 or a.int4_int8:
         r["systems"][INT4_INT8] = bench_o3(path, a.dtype, batches, energy, int4=True, int8=True)
         print(INT4_INT8, json.dumps(r["systems"][INT4_INT8]), flush=True)
     if not a.skip_hf:

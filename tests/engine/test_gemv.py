@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import KERNEL_DEVICE, KERNEL_DTYPES, require_triton
+from tests.helpers import KERNEL_DEVICE, KERNEL_DTYPES, act_quantized, require_triton
 
 triton = require_triton()
 
@@ -89,7 +89,8 @@ def test_int4_weights_match_the_dequantized_linear(dtype, M, K, group, swap, asm
     N = 48
     g, x, w = _data(M, N, K, dtype, K + group)
     qw, sz = quantize_int4(w.float().cpu(), group)
-    ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
+    act = act_quantized(x) if M == 1 else x.float()  # one row streams on dp4a (dp4a_int4)
+    ref = F.linear(act, dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
     out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
     _close(out, ref, dtype)
 
@@ -123,11 +124,16 @@ def test_silu_in_the_epilogue_is_refused_where_no_tile_runs():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pro", ["none", "norm", "silu"])
-@pytest.mark.parametrize("config", [(8, 128, 1, 4, 1), (4, 256, 1, 4, 2)])  # streamed: 1 or 2 programs per SM
-def test_streamed_int4_row_matches_the_dequantized_linear(dtype, pro, config):
+# streamed: 1 or 2 programs per SM, the row in three tiles or in one (quantized once for every row block)
+@pytest.mark.parametrize("config", [(8, 128, 1, 4, 1), (4, 256, 1, 4, 2), (8, 512, 1, 4, 1)])
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("dp4a", ["1", "all", "0"])  # dp4a where the row is one tile, everywhere, nowhere
+def test_streamed_int4_row_matches_the_dequantized_linear(dtype, pro, config, group, dp4a, monkeypatch):
     """One activation row of INT4 weights streamed block after block (the tile in flight before it is used),
-    with each prologue, at a K that is not a whole number of tiles."""
-    N, K, group = 72, 320, 64
+    with each prologue, at a K that is not a whole number of tiles: on dp4a (W4A8) against the activations
+    quantized per 32 columns, else (W4A16) against the activations as they are."""
+    monkeypatch.setenv("O3EDGE_INT4_DP4A", dp4a)
+    N, K = 72, 320
     g, x, w = _data(1, N, K, dtype, 11, x_cols=2 * K if pro == "silu" else K)
     qw, sz = quantize_int4(w.float().cpu(), group)
     dq = dequantize_int4(qw, sz, K).to(dtype).float().to(DEV)
@@ -136,15 +142,34 @@ def test_streamed_int4_row_matches_the_dequantized_linear(dtype, pro, config):
         res = torch.randn(1, K, generator=g).to(DEV, dtype)
         nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, dtype)
         out, new_res = skinny_matmul(x, qw.to(DEV), norm_weight=nw, residual=res.clone(), eps=1e-5, **kw)
-        ref = F.linear(add_rmsnorm_reference(x, res.clone(), nw, 1e-5).float(), dq)
+        act = add_rmsnorm_reference(x, res.clone(), nw, 1e-5)
         _close(new_res, x.float() + res.float(), dtype)
     elif pro == "silu":
-        out = skinny_matmul(x, qw.to(DEV), silu=True, **kw)
-        ref = F.linear(silu_mul_reference(x).float(), dq)
+        out, act = skinny_matmul(x, qw.to(DEV), silu=True, **kw), silu_mul_reference(x)
     else:
-        out = skinny_matmul(x, qw.to(DEV), **kw)
-        ref = F.linear(x.float(), dq)
-    _close(out, ref, dtype)
+        out, act = skinny_matmul(x, qw.to(DEV), **kw), x
+    on_dp4a = dp4a == "all" or dp4a == "1" and K <= config[1]
+    _close(out, F.linear(act_quantized(act) if on_dp4a else act.float(), dq), dtype)
+
+
+def test_int4_dp4a_reads_every_code_and_both_nibbles_of_a_byte():
+    """W4A8 on one row with codes 0 and 15 at both ends and a different scale and zero per group: exact against
+    the dequantized weight when the activations are exact in INT8 (their group's largest is 127 times a power
+    of two)."""
+    N, K, group = 16, 128, 32
+    codes = torch.arange(N * K).remainder(16).view(N, K).flip(1)
+    codes[:, :8] = torch.tensor([0, 15, 15, 0, 0, 0, 15, 15])
+    scale = torch.tensor([0.5, 0.25, 1.0, 2.0]).repeat(N, 1).to(torch.bfloat16)  # [N, groups]
+    zero = torch.tensor([-1.0, 0.5, 3.0, -0.25]).repeat(N, 1).to(torch.bfloat16)
+    from o3edge.engine.quant import pack_int4
+
+    qw, sz = pack_int4(codes.to(torch.uint8), scale, zero)
+    dq = dequantize_int4(qw, sz, K).float()
+    x = torch.randint(-127, 128, (1, K)).float() / 64
+    x.view(-1, 32)[:, 0] = 127 / 64  # every activation group's largest: its codes are x * 64 exactly
+    out = skinny_matmul(x.to(DEV), qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N,
+                        config=(8, 128, 1, 4, 1))
+    torch.testing.assert_close(out.float().cpu(), F.linear(x, dq), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -170,15 +195,6 @@ def test_streamed_int4_rows_take_no_prologue():
     with pytest.raises(ValueError, match="no prologue"):
         skinny_matmul(torch.zeros(4, 128, device=DEV), qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=64,
                       out_features=8, silu=True, config=(8, 64, 1, 4, 1))
-
-
-def _act_quantized(x, group=32):
-    """x [M, K] as one row of INT8 weights sees it on dp4a: per group of 32 columns, codes round(x * 127 / max|x|)
-    (ties to even) times max|x| / 127, in float32 (the CPU's INT8 kernels quantize alike: cpu_kernels.h)."""
-    xg = x.float().view(x.shape[0], -1, group)
-    amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return (torch.round(xg * inv) * (amax / 127)).view(x.shape)
 
 
 def _int8(w):
@@ -216,7 +232,7 @@ def test_int8_weights_match_the_dequantized_linear(dtype, M, config, pro, K):
     else:
         out, act = skinny_matmul(x, q, **kw), x
     assert out.dtype == dtype and out.shape == (M, N)
-    _close(out, F.linear(_act_quantized(act) if dp4a else act.float(), wq), dtype)
+    _close(out, F.linear(act_quantized(act) if dp4a else act.float(), wq), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -256,8 +272,8 @@ def test_more_rows_than_a_decode_batch_are_refused():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
-    """tinyllama's one-row projections as the decode step runs them (streamed dense, INT4 with the packed
-    dot and without), its INT4 projections at 8 and 32 rows (planned tiles, then never swapped) and at
+    """tinyllama's one-row projections as the decode step runs them (streamed dense, INT4 on dp4a, with the
+    packed dot and without), its INT4 projections at 8 and 32 rows (planned tiles, then never swapped) and at
     2-8 rows streamed (rows_int4), against prologue-then-linear in float32."""
     monkeypatch.setenv("O3EDGE_INT4_PACKED", "1")
     g, x, w = _data(1, 2560, 2048, dtype, 7)
@@ -271,12 +287,16 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
     for N, K, group in ((11264, 2048, 128), (2048, 5632, 64)):
         g, x, w = _data(1, N, K, dtype, N)
         qw, sz = quantize_int4(w.float().cpu(), group)
-        ref = F.linear(x.float(), dequantize_int4(qw, sz, K).to(dtype).float().to(DEV))
-        for packed, stream in itertools.product(("1", "0"), ("0", "1", "wide")):  # packed dot or not, streamed or not
+        dq = dequantize_int4(qw, sz, K).to(dtype).float().to(DEV)
+        ref, ref_dp4a = F.linear(x.float(), dq), F.linear(act_quantized(x), dq)
+        # streamed on dp4a (W4A8: a row of one tile, gate/up) or on the packed dot or not, or not streamed
+        for dp4a, packed, stream in itertools.product(("1", "0"), ("1", "0"), ("0", "1", "wide")):
+            monkeypatch.setenv("O3EDGE_INT4_DP4A", dp4a)
             monkeypatch.setenv("O3EDGE_INT4_PACKED", packed)
             monkeypatch.setenv("O3EDGE_INT4_STREAM", stream)
             out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
-            _close(out, ref, dtype)
+            _close(out, ref_dp4a if dp4a == "1" and stream != "0" and K <= 2048 else ref, dtype)  # one tile a row
+        monkeypatch.delenv("O3EDGE_INT4_DP4A")
         for M, asm in itertools.product((2, 8, 32), ("1", "0")):  # decode batches: planned tiles (W @ x.T where
             monkeypatch.setenv("O3EDGE_INT4_ASM", asm)  # it pays), then never swapped; packed dequantize or not
             g, x, _ = _data(M, N, K, dtype, N + M)
@@ -298,10 +318,11 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
         monkeypatch.delenv("O3EDGE_INT4_ROWS_UNROLL")
     g, x, w = _data(1, 2560, 2048, dtype, 9)  # an attention projection in INT4 (--int4-all), streamed by default
     qw, sz = quantize_int4(w.float().cpu(), 128)
-    ref = F.linear(x.float(), dequantize_int4(qw, sz, 2048).to(dtype).float().to(DEV))
-    for stream in ("1", "wide"):
+    dq = dequantize_int4(qw, sz, 2048).to(dtype).float().to(DEV)
+    for stream in ("1", "wide"):  # streamed on dp4a, or (wide: only wide layers stream) not streamed
         monkeypatch.setenv("O3EDGE_INT4_STREAM", stream)
-        _close(skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=128, out_features=2560), ref, dtype)
+        _close(skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=128, out_features=2560),
+               F.linear(act_quantized(x) if stream == "1" else x.float(), dq), dtype)
 
 
 @pytest.mark.gpu
@@ -327,7 +348,7 @@ def test_planned_int8_tilings_at_model_shapes_on_the_gpu(dtype):
             out, act = skinny_matmul(x, q, silu=True, scales8=s), silu_mul_reference(x)
         else:
             out, act = skinny_matmul(x, q, scales8=s), x
-        _close(out, F.linear(_act_quantized(act), wq), dtype)
+        _close(out, F.linear(act_quantized(act), wq), dtype)
         for M in (8, 32, 100):
             xm = torch.randn(M, K, generator=g).to(DEV, dtype)
             _close(int8_matmul(xm, q, s), F.linear(xm.float(), wq), dtype)

@@ -112,7 +112,7 @@ def _same_greedy_tokens(graphs, eager):
 
 def test_int4_attention_and_ffn_decode_in_graphs_as_their_modules_do_eagerly():
     """INT4 attention projections and FFN (int4_all on the trained reference checkpoint, whose tied LM head
-    stays dense): the graph step's skinny INT4 kernels (the packed dot at one row, dequantized tiles at 4)
+    stays dense): the graph step's skinny INT4 kernels (dp4a at one row, dequantized tiles at 4)
     give the eager modules' greedy tokens. A trained model: random weights' flat logits flip on bf16
     rounding (such a test on a random checkpoint failed on the H200 with 1 of 4 sequences equal)."""
     from o3edge.engine.quant import Int4Linear
@@ -122,6 +122,27 @@ def test_int4_attention_and_ffn_decode_in_graphs_as_their_modules_do_eagerly():
     graphs, eager = engine(SHIPPED_MODEL, "bfloat16", **kw), engine(SHIPPED_MODEL, "bfloat16", cuda_graphs=False, **kw)
     assert isinstance(graphs.engine.runner.model.layers[0].attn.qkv, Int4Linear)
     _same_greedy_tokens(graphs, eager)
+
+
+def test_int4_rows_on_dp4a_keep_the_greedy_tokens_of_the_packed_dot(monkeypatch):
+    """One decode row of INT4 weights on dp4a (W4A8: activations quantized per 32 columns, gemv.dp4a_int4) against
+    the packed half-precision dot (W4A16), every linear INT4 on the trained reference checkpoint, alone and four at
+    once: the greedy tokens stay those of W4A16 (at least 90% of them, position by position)."""
+    from o3edge.model_path import SHIPPED_MODEL
+
+    kw = dict(int4_ffn=True, int4_all=True, int4_group_size=32)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    tokens = {}
+    for dp4a in ("1", "0"):
+        monkeypatch.setenv("O3EDGE_INT4_DP4A", dp4a)
+        m = engine(SHIPPED_MODEL, "bfloat16", **kw)
+        prompts = [m.engine.encode(p) for p in ["The json module", "The os module provides", *PROMPTS[:2]]]
+        tokens[dp4a] = [r.token_ids for batch in (prompts[:1], prompts) for r in m.generate_batch(batch, params)]
+        del m
+    same = sum(a == b for x, y in zip(tokens["1"], tokens["0"]) for a, b in zip(x, y))
+    total = sum(len(x) for x in tokens["0"])
+    print(f"W4A8 / W4A16 greedy agreement: {same}/{total}")
+    assert same >= 0.9 * total
 
 
 @pytest.mark.parametrize("int4_ffn", [False, True])

@@ -17,7 +17,9 @@ torch would round it.
 Weights are the model's own [N, K] dense matrix, o3edge's device-neutral INT4 (quant.py: uint8
 [N, Kp/2], high nibble first, and bf16 scales and zeros [Kp/g, N, 2]), dequantized in registers, or
 per-row INT8 (cpu_quant.py's form: int8 [N, K] and float32 scales [N], w = q * scale): the products
-are summed over the integers and each output scaled once.
+are summed over the integers and each output scaled once. One row of INT8 weights, and of INT4 weights
+whose row is one tile, meets activations quantized per 32 columns on dp4a (W8A8 / W4A8: dp4a_int8,
+dp4a_int4), as the CPU's INT8 and INT4 kernels do.
 """
 
 from __future__ import annotations
@@ -129,12 +131,67 @@ def _quantized_x(x, BLOCK_K: tl.constexpr):
     amax = tl.max(tl.abs(xf), axis=1)
     inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
     q = _rounded(xf * inv[:, None]).to(tl.int32)
-    qe, qo = tl.split(tl.reshape(q, [BLOCK_K // 4, 2, 2]))  # [j, a]: columns 4j + 2a, 4j + 2a + 1
-    q0, q2 = tl.split(qe)
-    q1, q3 = tl.split(qo)
-    words = (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24)
+    words = _code_words(tl.reshape(q, [BLOCK_K // 4, 2, 2]))  # word j: columns 4j .. 4j + 3
     scale = tl.broadcast_to((amax / 127.0)[:, None], [BLOCK_K // ACT_GROUP, ACT_GROUP // 4])
     return words, tl.reshape(scale, [BLOCK_K // 4])
+
+
+@triton.jit
+def _code_words(q):
+    """Codes (int32, one byte each) in fours, [..., 2, 2] with code i = 2a + b at [.., a, b], as int32 words, code
+    i in byte i: [...]."""
+    lo, hi = tl.split(q)  # [.., a]: codes 2a, then codes 2a + 1
+    q0, q2 = tl.split(lo)
+    q1, q3 = tl.split(hi)
+    return (q0 & 0xFF) | ((q1 & 0xFF) << 8) | ((q2 & 0xFF) << 16) | (q3 << 24)
+
+
+@triton.jit
+def _nibble_x(x, BLOCK_K: tl.constexpr):
+    """An activation tile x [1, BLOCK_K] quantized per group of ACT_GROUP columns as _quantized_x, in the layout
+    of INT4 words (_int4_raw with WORD 4: byte i of word j holds columns 8j + 2i, high nibble, and 8j + 2i + 1):
+    (words of the even columns' codes [BLOCK_K // ACT_GROUP, ACT_GROUP // 8], words of the odd columns', each
+    group's scale [BLOCK_K // ACT_GROUP] float32 and the sum of its codes, int32)."""
+    NA: tl.constexpr = BLOCK_K // ACT_GROUP
+    xf = tl.reshape(x.to(tl.float32), [NA, ACT_GROUP])
+    amax = tl.max(tl.abs(xf), axis=1)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    q = _rounded(xf * inv[:, None]).to(tl.int32)
+    even, odd = tl.split(tl.reshape(q, [NA, ACT_GROUP // 8, 4, 2]))  # column 8j + 2i + p at [a, j, i, p]
+    return (_code_words(tl.reshape(even, [NA, ACT_GROUP // 8, 2, 2])),
+            _code_words(tl.reshape(odd, [NA, ACT_GROUP // 8, 2, 2])), amax / 127.0, tl.sum(q, axis=1))
+
+
+# A word of eight INT4 codes (0..15) against the words of its even and odd columns' activation codes: the high
+# nibbles and the low ones masked into two words of four bytes, each met by dp4a, the second summing onto the
+# first. Five instructions for eight weights (the packed half-precision dot, PACKED_DOT_*: 22).
+NIBBLE_DOT = tl.constexpr("{\n.reg .b32 h, l, t;\nshr.u32 h, $1, 4;\nand.b32 h, h, 0x0F0F0F0F;\n"
+                          "and.b32 l, $1, 0x0F0F0F0F;\ndp4a.s32.s32 t, h, $2, 0;\ndp4a.s32.s32 $0, l, $3, t;\n}")
+
+
+@triton.jit
+def _nibble_dot(q, xe, xo):
+    """Each int32 word of eight INT4 codes in q times its even- and odd-column activation words: int32."""
+    if INTERPRETED:
+        return _dp4a((q >> 4) & 0x0F0F0F0F, xe) + _dp4a(q & 0x0F0F0F0F, xo)
+    return tl.inline_asm_elementwise(NIBBLE_DOT, "=r,r,r,r", [q, xe, xo], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _int4_word_dots(q, scale, zero, xe, xo, xs, xsum, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One quantized activation row (_nibble_x) against a tile of INT4 words (_int4_raw with WORD 4): each
+    activation group's integer dot sum q x over its codes, then w = (q - 8) * scale + zero per weight group:
+    sum_a xs_a (dot_a - 8 sum_a) * scale + zero * sum_a xs_a sum_a, with sum_a the group's activation codes'
+    sum. [BLOCK_N] float32."""
+    NA: tl.constexpr = BLOCK_K // ACT_GROUP
+    NG: tl.constexpr = BLOCK_K // GROUP
+    BN: tl.constexpr = q.shape[0]
+    qa = tl.reshape(q, [BN, NA, ACT_GROUP // 8])  # a weight group's words are whole activation groups'
+    dots = tl.sum(_nibble_dot(qa, xe[None, :, :], xo[None, :, :]), axis=2)  # [BN, NA] int32
+    part = (dots - 8 * xsum[None, :]).to(tl.float32) * xs[None, :]
+    part = tl.sum(tl.reshape(part, [BN, NG, GROUP // ACT_GROUP]), axis=2)  # [BN, NG]
+    xz = tl.sum(tl.reshape(xs * xsum.to(tl.float32), [NG, GROUP // ACT_GROUP]), axis=1)  # [NG]
+    return tl.sum(part * scale + zero * xz[None, :], axis=1)
 
 
 @triton.jit
@@ -556,7 +613,8 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
     DEFER (dense): products are summed across threads once per row block instead of once per tile.
     INT4: the stored tile (words for the packed dot) is what is in flight; it is unpacked when used.
     INT8: as dense, on the codes (int8_float), each row's sum scaled at the end; WORDS: int32 words of four
-    codes, the activations quantized (_quantized_x) and multiplied by dp4a."""
+    codes, the activations quantized (_quantized_x) and multiplied by dp4a. INT4 with WORDS: the stored words
+    against activations quantized alike (_nibble_x), each word's nibbles met by two dp4a (_int4_word_dots)."""
     pdl.launch_next(PDL)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
@@ -565,7 +623,8 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
     rows = tl.arange(0, BLOCK_N)
     rn = pid * BLOCK_N + rows
     if INT4:
-        q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn, rn < N, 0, K, N, stride_w, GROUP, BLOCK_K, PACKED)
+        q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn, rn < N, 0, K, N, stride_w, GROUP, BLOCK_K,
+                                                PACKED or WORDS)
     elif WORDS:
         w_next = _int8_words(w_ptr, rn, rn < N, 0, K, stride_w, BLOCK_K)
     else:
@@ -575,8 +634,11 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
     if PRO == 1:
         rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, rm, m_mask, K, stride_x, eps, pid == 0, 1, BLOCK_K, dtype)
     if WORDS and K_TILES == 1:  # the whole row quantized once, for every row block
-        xw0, xs0 = _quantized_x(_input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, tl.arange(0, BLOCK_K), K, stride_x,
-                                            rstd, PRO, dtype), BLOCK_K)
+        x0 = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, tl.arange(0, BLOCK_K), K, stride_x, rstd, PRO, dtype)
+        if INT4:
+            xe0, xo0, xs0, xsum0 = _nibble_x(x0, BLOCK_K)
+        else:
+            xw0, xs0 = _quantized_x(x0, BLOCK_K)
     for b in range(BLOCKS):
         rn = (pid + b * programs) * BLOCK_N + rows
         acc = tl.zeros([BLOCK_N], tl.float32)
@@ -588,8 +650,15 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
             if INT4:
                 q, sc, zr = q_next, s_next, z_next
                 q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP,
-                                                        BLOCK_K, PACKED)
-                acc += _int4_tile_row_dot(x, q, sc, zr, GROUP, BLOCK_K, PACKED)
+                                                        BLOCK_K, PACKED or WORDS)
+                if WORDS:
+                    if K_TILES == 1:
+                        xe, xo, xs, xsum = xe0, xo0, xs0, xsum0
+                    else:
+                        xe, xo, xs, xsum = _nibble_x(x, BLOCK_K)
+                    acc += _int4_word_dots(q, sc, zr, xe, xo, xs, xsum, GROUP, BLOCK_K)
+                else:
+                    acc += _int4_tile_row_dot(x, q, sc, zr, GROUP, BLOCK_K, PACKED)
             elif WORDS:
                 w = w_next
                 w_next = _int8_words(w_ptr, rn2, rn2 < N, k2, K, stride_w, BLOCK_K)
@@ -717,6 +786,20 @@ def dp4a_int8(K: int, block_k: int) -> bool:
     return K % ACT_GROUP.value == 0 and block_k % ACT_GROUP.value == 0 and os.environ.get("O3EDGE_INT8_DP4A") != "0"
 
 
+def dp4a_int4(K: int, block_k: int) -> bool:
+    """Whether one streamed row of INT4 weights runs on dp4a (W4A8), its activations quantized per group of 32
+    columns as INT8's one-row kernel does (_nibble_x, _int4_word_dots), rather than on the packed half-precision
+    dot (W4A16, PACKED_DOT_*): where the row is one tile, quantized once a program, unless O3EDGE_INT4_DP4A=0.
+
+    On the H200 (tools/bench_gemv.py --weights int4 --rows 1 --grid, group 128, op before fused in;
+    docs/results/gpu-2026-12-04-w4a8/call1/), µs, packed dot -> dp4a: gate/up tinyllama-1.1b 8.5 -> 5.4 and
+    llama-1b 8.9 -> 6.6, the INT4 LM head 15.5 -> 11.0 and 57.7 -> 38.0. The down projection (its row in three
+    or four tiles, each quantized in turn) was slower on dp4a: 5.0 -> 6.1-6.2 and 6.4 -> 7.2-8.2
+    (O3EDGE_INT4_DP4A=all: every shape, to measure)."""
+    forced = os.environ.get("O3EDGE_INT4_DP4A")
+    return forced != "0" and (K <= block_k or forced == "all")
+
+
 def stream_int4(N: int, K: int) -> bool:
     """Whether a one-row INT4 matmul streams its row blocks (_row_stream_kernel, the packed dot on stored
     words in flight) like dense ones: every shape, unless O3EDGE_INT4_STREAM=0 (or O3EDGE_GEMV_STREAM=0);
@@ -821,6 +904,8 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False, in
         return (32, 256, 1, 4) if wide else (32, 512 if long else 256, 2, 4)
     if M > 1:
         return 32, min(256, triton.next_power_of_2(K)), 1, 4
+    if int4 and stream_int4(N, K) and dp4a_int4(K, min(2048, triton.next_power_of_2(K))):  # W4A8, as INT8's
+        return int8_plan(M, N, K, num_sms)
     if int4 and stream_int4(N, K):  # the FFN, the LM head, --int4-all's attention projections; from 16,384 rows
         # on, 4 programs per SM (a grid with the packed dot's multiply-adds, docs/results/gpu-2026-12-02j/int4-fma/:
         # llama-1b gate/up 9.7 -> 8.7 us, tinyllama's head 16.2 -> 15.4)
@@ -852,7 +937,9 @@ def int8_plan(M: int, N: int, K: int, num_sms: int) -> tuple[int, ...]:
     (within 0.3 us of the best of an H200 grid for every projection of tinyllama-1.1b and llama-1b; the dense
     rules were up to 1.7 us slower: docs/results/gpu-2026-12-04-int8/call2/gemv-int8-grid1.json). Tiles of several
     rows (from 32 swapped, swap_int4), by the grid at 8 and 32 rows (gemv-int8-grid32.json): the LM head in whole
-    256-column steps, wide layers (gate/up) split in four along K, narrow ones (QKV, down) in eight."""
+    256-column steps, wide layers (gate/up) split in four along K, narrow ones (QKV, down) in eight. One row of
+    INT4 weights on dp4a (dp4a_int4) takes the same tiling: the best or within 0.1 us of it for gate/up and the
+    LM head of both models (docs/results/gpu-2026-12-04-w4a8/call1/gemv-int4-dp4a-grid.json)."""
     if M == 1:
         return 8, min(2048, triton.next_power_of_2(K)), 1, 8, 4
     if N > 16384:
@@ -924,8 +1011,9 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         raise ValueError(f"SiLU in the epilogue takes tiles of 2-{MAX_ROWS} rows, no prologue, an even N; got "
                          f"{M} rows, N={N}" + (", streamed" if per_sm else ""))
     if per_sm and M == 1:
-        # one row of INT8 weights by dp4a where whole activation groups tile the row (dp4a_int8)
-        words = int8 and dp4a_int8(K, block_k) and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
+        # one row of INT8 weights by dp4a where whole activation groups tile the row (dp4a_int8); INT4 (dp4a_int4)
+        words = (int8 and dp4a_int8(K, block_k) and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
+                 or int4 and dp4a_int4(K, block_k))
         if INTERPRET and config is None:  # each program recomputes the prologue's statistics: two programs
             programs = min(programs, 2)
         _row_stream_kernel[(programs,)](
