@@ -152,6 +152,24 @@ def test_streamed_int4_row_matches_the_dequantized_linear(dtype, pro, config, gr
     _close(out, F.linear(act_quantized(act) if on_dp4a else act.float(), dq), dtype)
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_row_of_several_tiles_on_dp4a_quantizes_each_tile_in_turn(weights, monkeypatch):
+    """One row in three tiles on dp4a (INT4 only with O3EDGE_INT4_DP4A=all), with the SiLU prologue: each tile's
+    activations quantized as its turn comes, against the activations quantized per 32 columns."""
+    monkeypatch.setenv("O3EDGE_INT4_DP4A", "all")
+    N, K, dtype = 40, 320, DTYPES[0]
+    g, x, w = _data(1, N, K, dtype, 17, x_cols=2 * K)
+    if weights == "int4":
+        qw, sz = quantize_int4(w.float().cpu(), 64)
+        dq = dequantize_int4(qw, sz, K).to(dtype).float().to(DEV)
+        kw = dict(scales_and_zeros=sz.to(DEV), group_size=64, out_features=N)
+    else:
+        qw, s8, dq = _int8(w)
+        kw = dict(scales8=s8)
+    out = skinny_matmul(x, qw.to(DEV), silu=True, config=(8, 128, 1, 4, 1), **kw)
+    _close(out, F.linear(act_quantized(silu_mul_reference(x)), dq), dtype)
+
+
 def test_int4_dp4a_reads_every_code_and_both_nibbles_of_a_byte():
     """W4A8 on one row with codes 0 and 15 at both ends and a different scale and zero per group: exact against
     the dequantized weight when the activations are exact in INT8 (their group's largest is 127 times a power
