@@ -1,10 +1,11 @@
 """o3edge's own CPU kernels (cpu_kernels.cpp), built for this machine on first use and cached.
 
-Three kernels for the CPU presets, written for AVX-512 VNNI (`vpdpbusd`: 64 int8 products a
+Kernels for the CPU presets, written for AVX-512 VNNI (`vpdpbusd`: 64 int8 products a
 instruction): `int8_linear` and `int4_linear` (weight-only INT8 per row / INT4 per group, activations
 quantized per group of columns to int8 on entry; weights laid out 16 rows at a time, so one 64-byte
 load feeds 16 output rows) and `span_attention` (a decode step's KV write and attention over each
-sequence's live prefix, no Python per call). They are torch operators (`torch.ops.o3edge_cpu.*`) with
+sequence's live prefix, no Python per call), and `router_decode_attention` (cpu_router.cpp: the token router's
+decoding query over full-precision and compressed keys at once). They are torch operators (`torch.ops.o3edge_cpu.*`) with
 shape functions, so torch.compile traces them into the compiled decode step. The same library holds the
 native decode step (cpu_step.cpp, `torch.classes.o3edge_cpu.DecodeModel`, see cpu_step.py), which runs the
 row kernels of cpu_kernels.h for a whole step.
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # the step: cpu_step.cpp binds cpu_core.cpp (which native_lib.py also builds without torch) for cpu_step.py
 SOURCES = [SOURCE, SOURCE.with_name("cpu_step.cpp"), SOURCE.with_name("cpu_core.cpp"), SOURCE.with_name("cpu_core.h"),
-           SOURCE.with_name("cpu_kernels.h")]
+           SOURCE.with_name("cpu_kernels.h"), SOURCE.with_name("cpu_router.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
 if os.environ.get("O3EDGE_CPU_PROFILE") == "1":  # the native step's phase timers (tools/profile_cpu_step.py)
     _CFLAGS.append("-DO3_PROFILE")

@@ -40,7 +40,9 @@ c // per_host.
 
 Attention over both pools: each sequence's keys are split into its full-precision positions and its
 compressed ones; each part gives a partial result and its log-sum-exp, and the two are merged. On
-CUDA a decode step's compressed part runs in kernels/quant_attention.py; everything else in torch.
+CUDA a decode step's compressed part runs in kernels/quant_attention.py; on a CPU whose o3edge kernels
+build (cpu_ext.py), a decoding query's two parts run in one C++ call with one softmax (cpu_router.cpp,
+native_decode; a refresh step's observing query stays on torch's operations); everything else in torch.
 With router_cuda_graphs, decode steps run both pools in one kernel inside the CUDA-graph step
 instead (router_graph.py); a refresh step's observation is that kernel's side output.
 """
@@ -330,6 +332,9 @@ class KVRouter:
         # interpreter (router_graph.py turns it on)
         self.move_kernel = self.device.type == "cuda" and os.environ.get("O3EDGE_ROUTER_MOVE_KERNEL") != "0"
         self.stage = None  # the kernel's ids go to the device through it (kv_quantize.PinnedStage), on CUDA
+        # a CPU decoding query over both pools in one C++ call (cpu_router.cpp) where o3edge's CPU kernels
+        # build and the cache is float32 (O3EDGE_ROUTER_NATIVE=0: torch operations, to measure against)
+        self.native = native_decode(kv_cache)
         self.full_bytes_per_token = full_bytes_per_token
         self.comp_bytes_per_token = L * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
         self.host_bytes = block_size * full_bytes_per_token + self.per_host * scale_bytes_per_block(
@@ -613,6 +618,12 @@ class KVRouter:
         n, H, hd = q.shape
         qf = q.float()
         scale = hd ** -0.5
+        if self.native and n == 1 and not part.observe and k_cache.is_contiguous() and v_cache.is_contiguous():
+            rot = self.rotation if self.rotation is not None else qf.new_empty(0)
+            o, _ = torch.ops.o3edge_cpu.router_decode_attention(
+                qf[0], self._rotate(qf[0]), k_cache, v_cache, part.full_slots, self.codes[layer, 0],
+                self.codes[layer, 1], self.scales[layer, 0], self.scales[layer, 1], part.comp_slots, rot)
+            return o[None]
         kf = k_cache.index_select(0, part.full_slots).float()
         vf = v_cache.index_select(0, part.full_slots).float()
         if n > 1 and not part.comp_slots.numel():  # a prompt's chunk over full-precision keys alone
@@ -770,6 +781,16 @@ class KVRouter:
                 "kv_tokens_full_share": round(share, 4), "kv_tokens_compressed_share": round(1 - share, 4),
                 "kv_blocks_compressed": comp, "kv_host_blocks": hosts,
                 "kv_blocks_demoted_total": blocks.num_demoted}
+
+
+def native_decode(kv_cache: torch.Tensor) -> bool:
+    """Whether a decoding query's attention over both pools runs o3edge's C++ (cpu_router.cpp): a float32 CPU
+    cache where o3edge's CPU kernels build (cpu_ext.available), unless O3EDGE_ROUTER_NATIVE=0."""
+    if kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32 or os.environ.get("O3EDGE_ROUTER_NATIVE") == "0":
+        return False
+    from o3edge.engine import cpu_ext
+
+    return cpu_ext.available()
 
 
 def _causal(s: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:

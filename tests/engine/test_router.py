@@ -248,6 +248,37 @@ def check_prompt_chunk(chunk, device, dtype, atol, books_atol):
                                rtol=10 * books_atol)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,demoted", [(8, 2, 64, (1, 2, 4)), (6, 3, 128, (0, 5)), (4, 4, 64, ())])
+def test_a_decoding_query_over_both_pools_in_cpu_kernels_matches_torch(mode, heads, kv_heads, head_dim, demoted,
+                                                                      monkeypatch):
+    """On a float32 CPU cache a decoding query's attention over both pools runs one C++ call (cpu_router.cpp):
+    its output matches the torch operations' on the same cache (O3EDGE_ROUTER_NATIVE=0), GQA groups, INT4's
+    rotation, and a sequence with nothing demoted."""
+    from o3edge.engine import cpu_ext
+
+    if not cpu_ext.available():
+        pytest.skip("o3edge's CPU kernels do not build here (AVX-512 VNNI or a compiler missing)")
+    torch.manual_seed(8)
+    L, bs = 2, 16
+    kv = torch.randn(L, 2, 12 * bs, kv_heads, head_dim)
+    outs = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("O3EDGE_ROUTER_NATIVE", native)
+        cache = kv.clone()
+        router = KVRouter(RouterConfig(mode), cache, 11, bs, 1)
+        assert router.native == (native == "1")
+        seq = Sequence("s", list(range(7 * bs - 3)), GREEDY)
+        seq.block_table = list(range(7))
+        for n, b in enumerate(demoted):
+            seq.block_table[b] = demote_by_hand(router, b, 10 * router.per_host + n)
+        seq.num_computed_tokens = 7 * bs - 4
+        step = router.begin_step([(seq, 1)])
+        q = torch.randn(1, heads, head_dim, generator=torch.Generator().manual_seed(9))
+        outs.append(step.attend(1, q, cache[1, 0], cache[1, 1]))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_two_pool_decode_on_the_gpu_matches_the_cpu(mode):

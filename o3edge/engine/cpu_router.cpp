@@ -1,0 +1,150 @@
+// The token router's decode attention on the CPU (see o3edge/engine/router.py, KVRouter.attend_seq): one
+// decoding query of a sequence over its full-precision keys (float32 cache rows, scattered slots) and its
+// compressed ones (codes with one float16 scale per token and KV head: INT8, or INT4 in a Hadamard-rotated
+// basis), one softmax over both, no Python per layer beyond the call. Built with cpu_kernels.cpp (cpu_ext.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+#include <torch/library.h>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+using at::Tensor;
+using Vec = at::vec::Vectorized<float>;
+
+static inline float dot(const float* a, const float* b, int64_t hd) {
+  constexpr int64_t W = Vec::size();
+  Vec acc = Vec::loadu(a) * Vec::loadu(b);
+  for (int64_t d = W; d < hd; d += W) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+}
+
+// one vector's codes as floats (int8: hd bytes; int4: hd / 2 bytes, the even dimension in the low nibble,
+// two's-complement nibbles in [-7, 7])
+static inline void decode_codes(const uint8_t* c, bool int4, int64_t hd, float* out) {
+  if (!int4) {
+    const int8_t* s = reinterpret_cast<const int8_t*>(c);
+    for (int64_t d = 0; d < hd; ++d) out[d] = (float)s[d];
+    return;
+  }
+  for (int64_t i = 0; i < hd / 2; ++i) {  // each nibble sign-extended by shifts, no branch
+    out[2 * i] = (float)((int8_t)(c[i] << 4) >> 4);
+    out[2 * i + 1] = (float)((int8_t)c[i] >> 4);
+  }
+}
+
+// q [H, hd] float32; qr: q in the compressed pool's basis (int4: q @ R; int8: q); k_cache, v_cache [S, KVH, hd]
+// float32 (one layer's); full_slots int64 [Sf]; k_codes, v_codes [C, KVH, cd] int8 (INT8) or uint8 (INT4);
+// k_scales, v_scales [C, KVH] float16; comp_slots int64 [Sc]; rotation [hd, hd] float32 (INT4) or empty.
+// Returns (out [H, hd], lse [H]) in float32: the attention output in the model's basis and each head's
+// log-sum-exp of scaled scores.
+std::tuple<Tensor, Tensor> router_decode_attention(
+    const Tensor& q, const Tensor& qr, const Tensor& k_cache, const Tensor& v_cache, const Tensor& full_slots,
+    const Tensor& k_codes, const Tensor& v_codes, const Tensor& k_scales, const Tensor& v_scales,
+    const Tensor& comp_slots, const Tensor& rotation) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "router_decode_attention: a contiguous float32 cache");
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scales.is_contiguous() &&
+              v_scales.is_contiguous() && k_scales.scalar_type() == at::kHalf, "router_decode_attention: codes");
+  const auto qc = q.contiguous().to(at::kFloat), qrc = qr.contiguous().to(at::kFloat);
+  const int64_t H = qc.size(0), hd = qc.size(1), KVH = k_cache.size(1), rep = H / KVH, row = KVH * hd;
+  const bool int4 = k_codes.scalar_type() == at::kByte;
+  const int64_t cd = k_codes.size(2), crow = KVH * cd;
+  constexpr int64_t W = Vec::size();
+  TORCH_CHECK(hd % W == 0 && hd <= 256 && cd == (int4 ? hd / 2 : hd), "router_decode_attention: head_dim");
+  TORCH_CHECK(!int4 || (rotation.dim() == 2 && rotation.size(0) == hd), "router_decode_attention: INT4 rotation");
+  const auto fs = full_slots.contiguous(), cs = comp_slots.contiguous();
+  const int64_t Sf = fs.numel(), Sc = cs.numel(), n = Sf + Sc;
+  TORCH_CHECK(n > 0, "router_decode_attention: no keys");
+  const int64_t* fsp = fs.data_ptr<int64_t>();
+  const int64_t* csp = cs.data_ptr<int64_t>();
+  const float* kb = k_cache.data_ptr<float>();
+  const float* vb = v_cache.data_ptr<float>();
+  const uint8_t* kc = reinterpret_cast<const uint8_t*>(k_codes.data_ptr());
+  const uint8_t* vc = reinterpret_cast<const uint8_t*>(v_codes.data_ptr());
+  const at::Half* ksp = k_scales.data_ptr<at::Half>();
+  const at::Half* vsp = v_scales.data_ptr<at::Half>();
+  const auto rot = int4 ? rotation.contiguous().to(at::kFloat) : rotation;
+  const float* R = int4 ? rot.data_ptr<float>() : nullptr;
+  auto out = at::empty({H, hd}, qc.options());
+  auto lse = at::empty({H}, qc.options());
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>();
+  const float* qrp = qrc.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const int64_t grain = n * H >= 4096 ? 1 : KVH;  // short contexts: one thread, no fork
+  at::parallel_for(0, KVH, grain, [&](int64_t g0, int64_t g1) {
+    std::vector<float> sc(rep * n), code(hd), oc(rep * hd);
+    for (int64_t g = g0; g < g1; ++g) {
+      // scores: each key read (and decoded) once for the GQA group's heads
+      for (int64_t t = 0; t < Sf; ++t) {
+        const float* kt = kb + fsp[t] * row + g * hd;
+        for (int64_t r = 0; r < rep; ++r) sc[r * n + t] = dot(qp + (g * rep + r) * hd, kt, hd) * scale;
+      }
+      for (int64_t t = 0; t < Sc; ++t) {
+        decode_codes(kc + csp[t] * crow + g * cd, int4, hd, code.data());
+        const float ks = (float)ksp[csp[t] * KVH + g] * scale;
+        for (int64_t r = 0; r < rep; ++r) sc[r * n + Sf + t] = dot(qrp + (g * rep + r) * hd, code.data(), hd) * ks;
+      }
+      for (int64_t r = 0; r < rep; ++r) {  // each head's softmax over both pools (unnormalized weights kept)
+        float* s = sc.data() + r * n;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        lp[g * rep + r] = m + std::log(sum);
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+      }
+      Vec acc[256 / W], acc_c[256 / W];
+      for (int64_t r = 0; r < rep; ++r) {  // full-precision values
+        for (int64_t i = 0; i < hd / W; ++i) acc[i] = Vec(0.f);
+        const float* s = sc.data() + r * n;
+        for (int64_t t = 0; t < Sf; ++t) {
+          const float* vt = vb + fsp[t] * row + g * hd;
+          const Vec p(s[t]);
+          for (int64_t i = 0; i < hd / W; ++i) acc[i] = at::vec::fmadd(p, Vec::loadu(vt + i * W), acc[i]);
+        }
+        for (int64_t i = 0; i < hd / W; ++i) acc[i].store(op + (g * rep + r) * hd + i * W);
+      }
+      std::fill(oc.begin(), oc.end(), 0.f);
+      for (int64_t t = 0; t < Sc; ++t) {  // compressed values: decoded once for the group's heads
+        decode_codes(vc + csp[t] * crow + g * cd, int4, hd, code.data());
+        const float vs = (float)vsp[csp[t] * KVH + g];
+        for (int64_t r = 0; r < rep; ++r) {
+          const Vec p(sc[r * n + Sf + t] * vs);
+          float* o = oc.data() + r * hd;
+          for (int64_t i = 0; i < hd / W; ++i)
+            at::vec::fmadd(p, Vec::loadu(code.data() + i * W), Vec::loadu(o + i * W)).store(o + i * W);
+        }
+      }
+      if (Sc == 0) continue;
+      for (int64_t r = 0; r < rep; ++r) {  // back to the model's basis (INT4: R is its own inverse) and added
+        float* o = op + (g * rep + r) * hd;
+        const float* c = oc.data() + r * hd;
+        if (!int4) {
+          for (int64_t d = 0; d < hd; ++d) o[d] += c[d];
+          continue;
+        }
+        for (int64_t i = 0; i < hd / W; ++i) acc_c[i] = Vec::loadu(o + i * W);
+        for (int64_t j = 0; j < hd; ++j) {  // o += c @ R: row j of R weighted by c[j]
+          const Vec cj(c[j]);
+          for (int64_t i = 0; i < hd / W; ++i) acc_c[i] = at::vec::fmadd(cj, Vec::loadu(R + j * hd + i * W), acc_c[i]);
+        }
+        for (int64_t i = 0; i < hd / W; ++i) acc_c[i].store(o + i * W);
+      }
+    }
+  });
+  return {out, lse};
+}
+
+TORCH_LIBRARY_FRAGMENT(o3edge_cpu, m) {
+  m.def("router_decode_attention(Tensor q, Tensor qr, Tensor k_cache, Tensor v_cache, Tensor full_slots, "
+        "Tensor k_codes, Tensor v_codes, Tensor k_scales, Tensor v_scales, Tensor comp_slots, Tensor rotation) "
+        "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(o3edge_cpu, CPU, m) { m.impl("router_decode_attention", router_decode_attention); }
