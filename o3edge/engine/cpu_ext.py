@@ -5,7 +5,7 @@ instruction): `int8_linear` and `int4_linear` (weight-only INT8 per row / INT4 p
 quantized per group of columns to int8 on entry; weights laid out 16 rows at a time, so one 64-byte
 load feeds 16 output rows) and `span_attention` (a decode step's KV write and attention over each
 sequence's live prefix, no Python per call), and `router_decode_attention` (cpu_router.cpp: the token router's
-decoding query over full-precision and compressed keys at once). They are torch operators (`torch.ops.o3edge_cpu.*`) with
+decoding queries over full-precision and compressed keys at once). They are torch operators (`torch.ops.o3edge_cpu.*`) with
 shape functions, so torch.compile traces them into the compiled decode step. The same library holds the
 native decode step (cpu_step.cpp, `torch.classes.o3edge_cpu.DecodeModel`, see cpu_step.py), which runs the
 row kernels of cpu_kernels.h for a whole step.

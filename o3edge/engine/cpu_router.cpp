@@ -1,7 +1,7 @@
-// The token router's decode attention on the CPU (see o3edge/engine/router.py, KVRouter.attend_seq): one
-// decoding query of a sequence over its full-precision keys (float32 cache rows, scattered slots) and its
+// The token router's decode attention on the CPU (see o3edge/engine/router.py, RouterStep.attend): each
+// sequence's decoding query over its full-precision keys (float32 cache rows, scattered slots) and its
 // compressed ones (codes with one float16 scale per token and KV head: INT8, or INT4 in a Hadamard-rotated
-// basis), one softmax over both, no Python per layer beyond the call. Built with cpu_kernels.cpp (cpu_ext.py).
+// basis), one softmax over both; a step's sequences in one call a layer. Built with cpu_kernels.cpp (cpu_ext.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -35,31 +35,42 @@ static inline void decode_codes(const uint8_t* c, bool int4, int64_t hd, float* 
   }
 }
 
-// q [H, hd] float32; qr: q in the compressed pool's basis (int4: q @ R; int8: q); k_cache, v_cache [S, KVH, hd]
-// float32 (one layer's); full_slots int64 [Sf]; k_codes, v_codes [C, KVH, cd] int8 (INT8) or uint8 (INT4);
-// k_scales, v_scales [C, KVH] float16; comp_slots int64 [Sc]; rotation [hd, hd] float32 (INT4) or empty.
-// Returns (out [H, hd], lse [H]) in float32: the attention output in the model's basis and each head's
+// A step's decoding queries, one a sequence: q [B, H, hd] float32; qr: q in the compressed pool's basis (int4:
+// q @ R; int8: q); k_cache, v_cache [S, KVH, hd] float32 (one layer's); full_slots int64 [sum of Sf], sequence b's
+// at [full_offsets[b], full_offsets[b + 1]); k_codes, v_codes [C, KVH, cd] int8 (INT8) or uint8 (INT4); k_scales,
+// v_scales [C, KVH] float16; comp_slots, comp_offsets alike; rotation [hd, hd] float32 (INT4) or empty. Returns
+// (out [B, H, hd], lse [B, H]) in float32: the attention output in the model's basis and each head's
 // log-sum-exp of scaled scores.
 std::tuple<Tensor, Tensor> router_decode_attention(
     const Tensor& q, const Tensor& qr, const Tensor& k_cache, const Tensor& v_cache, const Tensor& full_slots,
-    const Tensor& k_codes, const Tensor& v_codes, const Tensor& k_scales, const Tensor& v_scales,
-    const Tensor& comp_slots, const Tensor& rotation) {
+    const Tensor& full_offsets, const Tensor& k_codes, const Tensor& v_codes, const Tensor& k_scales,
+    const Tensor& v_scales, const Tensor& comp_slots, const Tensor& comp_offsets, const Tensor& rotation) {
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "router_decode_attention: a contiguous float32 cache");
   TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scales.is_contiguous() &&
               v_scales.is_contiguous() && k_scales.scalar_type() == at::kHalf, "router_decode_attention: codes");
   const auto qc = q.contiguous().to(at::kFloat), qrc = qr.contiguous().to(at::kFloat);
-  const int64_t H = qc.size(0), hd = qc.size(1), KVH = k_cache.size(1), rep = H / KVH, row = KVH * hd;
+  const int64_t B = qc.size(0), H = qc.size(1), hd = qc.size(2), KVH = k_cache.size(1), rep = H / KVH;
+  const int64_t row = KVH * hd;
   const bool int4 = k_codes.scalar_type() == at::kByte;
   const int64_t cd = k_codes.size(2), crow = KVH * cd;
   constexpr int64_t W = Vec::size();
   TORCH_CHECK(hd % W == 0 && hd <= 256 && cd == (int4 ? hd / 2 : hd), "router_decode_attention: head_dim");
   TORCH_CHECK(!int4 || (rotation.dim() == 2 && rotation.size(0) == hd), "router_decode_attention: INT4 rotation");
   const auto fs = full_slots.contiguous(), cs = comp_slots.contiguous();
-  const int64_t Sf = fs.numel(), Sc = cs.numel(), n = Sf + Sc;
-  TORCH_CHECK(n > 0, "router_decode_attention: no keys");
-  const int64_t* fsp = fs.data_ptr<int64_t>();
-  const int64_t* csp = cs.data_ptr<int64_t>();
+  const auto fo = full_offsets.contiguous(), co = comp_offsets.contiguous();
+  TORCH_CHECK(fo.numel() == B + 1 && co.numel() == B + 1, "router_decode_attention: offsets");
+  const int64_t* fsp_all = fs.data_ptr<int64_t>();
+  const int64_t* csp_all = cs.data_ptr<int64_t>();
+  const int64_t* fop = fo.data_ptr<int64_t>();
+  const int64_t* cop = co.data_ptr<int64_t>();
+  int64_t longest = 0, total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = fop[b + 1] - fop[b] + cop[b + 1] - cop[b];
+    TORCH_CHECK(n > 0, "router_decode_attention: a query without keys");
+    longest = std::max(longest, n);
+    total += n;
+  }
   const float* kb = k_cache.data_ptr<float>();
   const float* vb = v_cache.data_ptr<float>();
   const uint8_t* kc = reinterpret_cast<const uint8_t*>(k_codes.data_ptr());
@@ -68,17 +79,25 @@ std::tuple<Tensor, Tensor> router_decode_attention(
   const at::Half* vsp = v_scales.data_ptr<at::Half>();
   const auto rot = int4 ? rotation.contiguous().to(at::kFloat) : rotation;
   const float* R = int4 ? rot.data_ptr<float>() : nullptr;
-  auto out = at::empty({H, hd}, qc.options());
-  auto lse = at::empty({H}, qc.options());
-  float* op = out.data_ptr<float>();
-  float* lp = lse.data_ptr<float>();
-  const float* qp = qc.data_ptr<float>();
-  const float* qrp = qrc.data_ptr<float>();
+  auto out = at::empty({B, H, hd}, qc.options());
+  auto lse = at::empty({B, H}, qc.options());
+  float* opb = out.data_ptr<float>();
+  float* lpb = lse.data_ptr<float>();
+  const float* qpb = qc.data_ptr<float>();
+  const float* qrpb = qrc.data_ptr<float>();
   const float scale = 1.0f / std::sqrt((float)hd);
-  const int64_t grain = n * H >= 4096 ? 1 : KVH;  // short contexts: one thread, no fork
-  at::parallel_for(0, KVH, grain, [&](int64_t g0, int64_t g1) {
-    std::vector<float> sc(rep * n), code(hd), oc(rep * hd);
-    for (int64_t g = g0; g < g1; ++g) {
+  const int64_t grain = total * H >= 4096 ? 1 : B * KVH;  // short contexts: one thread, no fork
+  at::parallel_for(0, B * KVH, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sc(rep * longest), code(hd), oc(rep * hd);
+    for (int64_t bg = i0; bg < i1; ++bg) {
+      const int64_t b = bg / KVH, g = bg % KVH;
+      const int64_t* fsp = fsp_all + fop[b];
+      const int64_t* csp = csp_all + cop[b];
+      const int64_t Sf = fop[b + 1] - fop[b], Sc = cop[b + 1] - cop[b], n = Sf + Sc;
+      const float* qp = qpb + b * H * hd;
+      const float* qrp = qrpb + b * H * hd;
+      float* op = opb + b * H * hd;
+      float* lp = lpb + b * H;
       // scores: each key read (and decoded) once for the GQA group's heads
       for (int64_t t = 0; t < Sf; ++t) {
         const float* kt = kb + fsp[t] * row + g * hd;
@@ -143,8 +162,8 @@ std::tuple<Tensor, Tensor> router_decode_attention(
 
 TORCH_LIBRARY_FRAGMENT(o3edge_cpu, m) {
   m.def("router_decode_attention(Tensor q, Tensor qr, Tensor k_cache, Tensor v_cache, Tensor full_slots, "
-        "Tensor k_codes, Tensor v_codes, Tensor k_scales, Tensor v_scales, Tensor comp_slots, Tensor rotation) "
-        "-> (Tensor, Tensor)");
+        "Tensor full_offsets, Tensor k_codes, Tensor v_codes, Tensor k_scales, Tensor v_scales, Tensor comp_slots, "
+        "Tensor comp_offsets, Tensor rotation) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(o3edge_cpu, CPU, m) { m.impl("router_decode_attention", router_decode_attention); }

@@ -41,8 +41,9 @@ c // per_host.
 Attention over both pools: each sequence's keys are split into its full-precision positions and its
 compressed ones; each part gives a partial result and its log-sum-exp, and the two are merged. On
 CUDA a decode step's compressed part runs in kernels/quant_attention.py; on a CPU whose o3edge kernels
-build (cpu_ext.py), a decoding query's two parts run in one C++ call with one softmax (cpu_router.cpp,
-native_decode; a refresh step's observing query stays on torch's operations); everything else in torch.
+build (cpu_ext.py), a step's decoding queries run both parts in one C++ call a layer with one softmax each
+(cpu_router.cpp, native_decode; a refresh step's observing queries stay on torch's operations); everything
+else in torch.
 With router_cuda_graphs, decode steps run both pools in one kernel inside the CUDA-graph step
 instead (router_graph.py); a refresh step's observation is that kernel's side output.
 """
@@ -265,13 +266,32 @@ class RouterStep:
 
     def __init__(self, router: "KVRouter", parts: list[_SeqStep]):
         self.router, self.parts = router, parts
+        # decoding queries that no refresh observes, on o3edge's CPU kernels (native_decode): all in one call a
+        # layer, their slots concatenated once a step
+        native, others = [], []
+        for p in parts:
+            (native if router.native and p.rows.stop - p.rows.start == 1 and not p.observe else others).append(p)
+        self.others = others if native else parts
+        if native:
+            self.native_rows = torch.tensor([p.rows.start for p in native])
+            self.full_slots, self.full_offsets = _concatenated([p.full_slots for p in native])
+            self.comp_slots, self.comp_offsets = _concatenated([p.comp_slots for p in native])
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q: [T, H, hd] -> [T, H, hd] over both pools."""
         out = torch.empty_like(q)
-        for part in self.parts:
+        if self.others is not self.parts:
+            out[self.native_rows] = self.router.attend_native(layer, q[self.native_rows], k_cache, v_cache, self)
+        for part in self.others:
             out[part.rows] = self.router.attend_seq(layer, q[part.rows], k_cache, v_cache, part).to(q.dtype)
         return out
+
+
+def _concatenated(slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences' slot lists as one tensor and the offsets [len + 1] where each begins (int64)."""
+    offsets = torch.zeros(len(slots) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor([s.numel() for s in slots]).cumsum(0)
+    return torch.cat(slots), offsets
 
 
 def per_host(mode: str, head_dim: int, elem: int) -> int:
@@ -332,8 +352,8 @@ class KVRouter:
         # interpreter (router_graph.py turns it on)
         self.move_kernel = self.device.type == "cuda" and os.environ.get("O3EDGE_ROUTER_MOVE_KERNEL") != "0"
         self.stage = None  # the kernel's ids go to the device through it (kv_quantize.PinnedStage), on CUDA
-        # a CPU decoding query over both pools in one C++ call (cpu_router.cpp) where o3edge's CPU kernels
-        # build and the cache is float32 (O3EDGE_ROUTER_NATIVE=0: torch operations, to measure against)
+        # a step's CPU decoding queries over both pools in one C++ call a layer (cpu_router.cpp) where o3edge's
+        # CPU kernels build and the cache is float32 (O3EDGE_ROUTER_NATIVE=0: torch operations, to measure against)
         self.native = native_decode(kv_cache)
         self.full_bytes_per_token = full_bytes_per_token
         self.comp_bytes_per_token = L * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
@@ -618,12 +638,6 @@ class KVRouter:
         n, H, hd = q.shape
         qf = q.float()
         scale = hd ** -0.5
-        if self.native and n == 1 and not part.observe and k_cache.is_contiguous() and v_cache.is_contiguous():
-            rot = self.rotation if self.rotation is not None else qf.new_empty(0)
-            o, _ = torch.ops.o3edge_cpu.router_decode_attention(
-                qf[0], self._rotate(qf[0]), k_cache, v_cache, part.full_slots, self.codes[layer, 0],
-                self.codes[layer, 1], self.scales[layer, 0], self.scales[layer, 1], part.comp_slots, rot)
-            return o[None]
         kf = k_cache.index_select(0, part.full_slots).float()
         vf = v_cache.index_select(0, part.full_slots).float()
         if n > 1 and not part.comp_slots.numel():  # a prompt's chunk over full-precision keys alone
@@ -655,6 +669,17 @@ class KVRouter:
         if part.observe:
             self._observe(layer, part, s_full, s_comp, lse, qf, scale)
         return o.transpose(0, 1)  # [n, H, hd]
+
+    def attend_native(self, layer: int, q: torch.Tensor, k_cache, v_cache, step: RouterStep) -> torch.Tensor:
+        """The step's decoding queries that no refresh observes, q [B, H, hd] (one a sequence, in step.native_rows'
+        order), over both pools in one call of o3edge's CPU kernel (cpu_router.cpp) -> [B, H, hd] in q's dtype."""
+        qf = q.float()
+        rot = self.rotation if self.rotation is not None else qf.new_empty(0)
+        o, _ = torch.ops.o3edge_cpu.router_decode_attention(
+            qf, self._rotate(qf), k_cache.contiguous(), v_cache.contiguous(), step.full_slots, step.full_offsets,
+            self.codes[layer, 0], self.codes[layer, 1], self.scales[layer, 0], self.scales[layer, 1], step.comp_slots,
+            step.comp_offsets, rot)
+        return o.to(q.dtype)
 
     def _prompt_attention(self, layer: int, qf, kf, vf, part: _SeqStep, scale: float) -> torch.Tensor:
         """attend_seq for a prompt's queries when every key is full precision (no prefix hit on a compressed
@@ -784,8 +809,9 @@ class KVRouter:
 
 
 def native_decode(kv_cache: torch.Tensor) -> bool:
-    """Whether a decoding query's attention over both pools runs o3edge's C++ (cpu_router.cpp): a float32 CPU
-    cache where o3edge's CPU kernels build (cpu_ext.available), unless O3EDGE_ROUTER_NATIVE=0."""
+    """Whether decoding queries' attention over both pools runs o3edge's C++ (cpu_router.cpp, one call a layer for
+    a step's sequences): a float32 CPU cache where o3edge's CPU kernels build (cpu_ext.available), unless
+    O3EDGE_ROUTER_NATIVE=0."""
     if kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32 or os.environ.get("O3EDGE_ROUTER_NATIVE") == "0":
         return False
     from o3edge.engine import cpu_ext

@@ -249,32 +249,39 @@ def check_prompt_chunk(chunk, device, dtype, atol, books_atol):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,demoted", [(8, 2, 64, (1, 2, 4)), (6, 3, 128, (0, 5)), (4, 4, 64, ())])
-def test_a_decoding_query_over_both_pools_in_cpu_kernels_matches_torch(mode, heads, kv_heads, head_dim, demoted,
-                                                                      monkeypatch):
-    """On a float32 CPU cache a decoding query's attention over both pools runs one C++ call (cpu_router.cpp):
-    its output matches the torch operations' on the same cache (O3EDGE_ROUTER_NATIVE=0), GQA groups, INT4's
-    rotation, and a sequence with nothing demoted."""
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (6, 3, 128), (4, 4, 64)])
+def test_decoding_queries_over_both_pools_in_cpu_kernels_match_torch(mode, heads, kv_heads, head_dim, monkeypatch):
+    """On a float32 CPU cache a step's decoding queries attend over both pools in one C++ call a layer
+    (cpu_router.cpp): beside a prompt chunk (torch's operations), with blocks demoted, INT4's rotation and GQA groups,
+    and a sequence with nothing demoted, the output matches torch's operations' on the same cache
+    (O3EDGE_ROUTER_NATIVE=0)."""
     from o3edge.engine import cpu_ext
 
     if not cpu_ext.available():
         pytest.skip("o3edge's CPU kernels do not build here (AVX-512 VNNI or a compiler missing)")
     torch.manual_seed(8)
     L, bs = 2, 16
-    kv = torch.randn(L, 2, 12 * bs, kv_heads, head_dim)
+    kv = torch.randn(L, 2, 25 * bs, kv_heads, head_dim)
     outs = []
     for native in ("1", "0"):
         monkeypatch.setenv("O3EDGE_ROUTER_NATIVE", native)
         cache = kv.clone()
-        router = KVRouter(RouterConfig(mode), cache, 11, bs, 1)
+        router = KVRouter(RouterConfig(mode), cache, 24, bs, 1)
         assert router.native == (native == "1")
-        seq = Sequence("s", list(range(7 * bs - 3)), GREEDY)
-        seq.block_table = list(range(7))
-        for n, b in enumerate(demoted):
-            seq.block_table[b] = demote_by_hand(router, b, 10 * router.per_host + n)
-        seq.num_computed_tokens = 7 * bs - 4
-        step = router.begin_step([(seq, 1)])
-        q = torch.randn(1, heads, head_dim, generator=torch.Generator().manual_seed(9))
+        a = Sequence("a", list(range(7 * bs - 5)), GREEDY)  # decoding, three blocks demoted
+        a.token_ids += [1, 2]  # two tokens generated: its step's query decodes
+        a.block_table = list(range(7))
+        for n, b in enumerate((1, 2, 4)):
+            a.block_table[b] = demote_by_hand(router, b, 22 * router.per_host + n)
+        a.num_computed_tokens = 7 * bs - 4
+        b = Sequence("b", list(range(5 * bs - 3)), GREEDY)  # decoding, nothing demoted
+        b.token_ids += [3]
+        b.block_table, b.num_computed_tokens = list(range(7, 12)), 5 * bs - 3
+        c = Sequence("c", list(range(4 * bs)), GREEDY)  # a prompt chunk of three queries, not its last
+        c.block_table, c.num_computed_tokens = list(range(12, 16)), 2 * bs
+        step = router.begin_step([(a, 1), (c, 3), (b, 1)])
+        assert len(step.others) == (1 if native == "1" else 3)
+        q = torch.randn(5, heads, head_dim, generator=torch.Generator().manual_seed(9))
         outs.append(step.attend(1, q, cache[1, 0], cache[1, 1]))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
 
