@@ -19,7 +19,7 @@ Weights are the model's own [N, K] dense matrix, o3edge's device-neutral INT4 (q
 per-row INT8 (cpu_quant.py's form: int8 [N, K] and float32 scales [N], w = q * scale): the products
 are summed over the integers and each output scaled once. One row of INT8 weights, and of INT4 weights
 whose row is one tile, meets activations quantized per 32 columns on dp4a (W8A8 / W4A8: dp4a_int8,
-dp4a_int4), as the CPU's INT8 and INT4 kernels do.
+dp4a_int4), as the CPU's INT8 kernels do (its INT4 kernels quantize per weight group).
 """
 
 from __future__ import annotations
