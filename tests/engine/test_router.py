@@ -286,6 +286,13 @@ def test_decoding_queries_over_both_pools_in_cpu_kernels_match_torch(mode, heads
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
 
 
+def test_a_head_dim_the_cpu_kernel_cannot_tile_stays_on_torch():
+    """head_dim 72 (not a multiple of the kernel's 16-float vectors) or a bfloat16 cache: the router attends by
+    torch's operations instead of refusing the step."""
+    assert not KVRouter(RouterConfig("int8"), torch.zeros(1, 2, 4 * 8, 2, 72), 3, 8, 1).native
+    assert not KVRouter(RouterConfig("int8"), torch.zeros(1, 2, 4 * 8, 2, 64, dtype=torch.bfloat16), 3, 8, 1).native
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_two_pool_decode_on_the_gpu_matches_the_cpu(mode):
