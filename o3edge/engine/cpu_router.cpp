@@ -8,7 +8,6 @@
 #include <ATen/cpu/vec/functional.h>
 #include <torch/library.h>
 #include <cmath>
-#include <tuple>
 #include <vector>
 
 using at::Tensor;
@@ -39,9 +38,8 @@ static inline void decode_codes(const uint8_t* c, bool int4, int64_t hd, float* 
 // q @ R; int8: q); k_cache, v_cache [S, KVH, hd] float32 (one layer's); full_slots int64 [sum of Sf], sequence b's
 // at [full_offsets[b], full_offsets[b + 1]); k_codes, v_codes [C, KVH, cd] int8 (INT8) or uint8 (INT4); k_scales,
 // v_scales [C, KVH] float16; comp_slots, comp_offsets alike; rotation [hd, hd] float32 (INT4) or empty. Returns
-// (out [B, H, hd], lse [B, H]) in float32: the attention output in the model's basis and each head's
-// log-sum-exp of scaled scores.
-std::tuple<Tensor, Tensor> router_decode_attention(
+// the attention output in the model's basis, out [B, H, hd] float32.
+Tensor router_decode_attention(
     const Tensor& q, const Tensor& qr, const Tensor& k_cache, const Tensor& v_cache, const Tensor& full_slots,
     const Tensor& full_offsets, const Tensor& k_codes, const Tensor& v_codes, const Tensor& k_scales,
     const Tensor& v_scales, const Tensor& comp_slots, const Tensor& comp_offsets, const Tensor& rotation) {
@@ -80,9 +78,7 @@ std::tuple<Tensor, Tensor> router_decode_attention(
   const auto rot = int4 ? rotation.contiguous().to(at::kFloat) : rotation;
   const float* R = int4 ? rot.data_ptr<float>() : nullptr;
   auto out = at::empty({B, H, hd}, qc.options());
-  auto lse = at::empty({B, H}, qc.options());
   float* opb = out.data_ptr<float>();
-  float* lpb = lse.data_ptr<float>();
   const float* qpb = qc.data_ptr<float>();
   const float* qrpb = qrc.data_ptr<float>();
   const float scale = 1.0f / std::sqrt((float)hd);
@@ -97,7 +93,6 @@ std::tuple<Tensor, Tensor> router_decode_attention(
       const float* qp = qpb + b * H * hd;
       const float* qrp = qrpb + b * H * hd;
       float* op = opb + b * H * hd;
-      float* lp = lpb + b * H;
       // scores: each key read (and decoded) once for the GQA group's heads
       for (int64_t t = 0; t < Sf; ++t) {
         const float* kt = kb + fsp[t] * row + g * hd;
@@ -108,13 +103,12 @@ std::tuple<Tensor, Tensor> router_decode_attention(
         const float ks = (float)ksp[csp[t] * KVH + g] * scale;
         for (int64_t r = 0; r < rep; ++r) sc[r * n + Sf + t] = dot(qrp + (g * rep + r) * hd, code.data(), hd) * ks;
       }
-      for (int64_t r = 0; r < rep; ++r) {  // each head's softmax over both pools (unnormalized weights kept)
+      for (int64_t r = 0; r < rep; ++r) {  // each head's softmax over both pools, normalized in place
         float* s = sc.data() + r * n;
         float m = -INFINITY;
         for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
         float sum = 0.f;
         for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        lp[g * rep + r] = m + std::log(sum);
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < n; ++t) s[t] *= inv;
       }
@@ -157,13 +151,13 @@ std::tuple<Tensor, Tensor> router_decode_attention(
       }
     }
   });
-  return {out, lse};
+  return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(o3edge_cpu, m) {
   m.def("router_decode_attention(Tensor q, Tensor qr, Tensor k_cache, Tensor v_cache, Tensor full_slots, "
         "Tensor full_offsets, Tensor k_codes, Tensor v_codes, Tensor k_scales, Tensor v_scales, Tensor comp_slots, "
-        "Tensor comp_offsets, Tensor rotation) -> (Tensor, Tensor)");
+        "Tensor comp_offsets, Tensor rotation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(o3edge_cpu, CPU, m) { m.impl("router_decode_attention", router_decode_attention); }

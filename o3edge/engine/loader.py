@@ -217,10 +217,8 @@ def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size
     group = manifest.group_size
     if int4_ffn and group is None:
         group = group_size
-        for name in int4_modules(manifest.args, group, int4_all, int4_lm_head):
-            tied = name == LM_HEAD and manifest.args.tie_word_embeddings
-            weight = state["embed.weight"] if tied else state.pop(name + ".weight")
-            state[name + ".qweight"], state[name + ".scales_and_zeros"] = quantize_int4(weight, group)
+        _quantize_at_load(state, manifest.args, int4_modules(manifest.args, group, int4_all, int4_lm_head),
+                          lambda w: quantize_int4(w, group), INT4_SUFFIXES)
     elif group is not None and group != group_size:
         log.info("engine %s is INT4 with group size %d (built in; int4_group_size %d ignored)",
                  model_dir, group, group_size)
@@ -228,11 +226,17 @@ def _engine_state(model_dir: str, dtype: torch.dtype, int4_ffn: bool, group_size
         log.info("engine %s holds INT8 modules already (built in; int8_weights adds none)", model_dir)
     elif int8_weights:
         int4 = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
-        for name in int8_modules(manifest.args, int4):
-            tied = name == LM_HEAD and manifest.args.tie_word_embeddings
-            weight = state["embed.weight"] if tied else state.pop(name + ".weight")
-            state[name + ".qweight8"], state[name + ".scales8"] = quantize_int8(weight)
+        _quantize_at_load(state, manifest.args, int8_modules(manifest.args, int4), quantize_int8, INT8_SUFFIXES)
     return manifest.args, state, group, stored
+
+
+def _quantize_at_load(state: dict, args: ModelArgs, names: list[str], quantize, suffixes: tuple[str, str]) -> None:
+    """Each named linear of an engine's dense state quantized in place into its two tensors <name><suffixes>
+    (quantize(weight) -> both); a tied LM head from the embedding, which stays dense for the lookup."""
+    for name in names:
+        tied = name == LM_HEAD and args.tie_word_embeddings
+        weight = state["embed.weight"] if tied else state.pop(name + ".weight")
+        state[name + suffixes[0]], state[name + suffixes[1]] = quantize(weight)
 
 
 def instantiate(args: ModelArgs, state: dict, device: torch.device, group_size: int | None,

@@ -268,19 +268,18 @@ class RouterStep:
         self.router, self.parts = router, parts
         # decoding queries that no refresh observes, on o3edge's CPU kernels (native_decode): all in one call a
         # layer, their slots concatenated once a step
-        native, others = [], []
+        native, self.others = [], []
         for p in parts:
-            (native if router.native and p.rows.stop - p.rows.start == 1 and not p.observe else others).append(p)
-        self.others = others if native else parts
+            (native if router.native and p.rows.stop - p.rows.start == 1 and not p.observe else self.others).append(p)
+        self.native_rows = torch.tensor([p.rows.start for p in native]) if native else None
         if native:
-            self.native_rows = torch.tensor([p.rows.start for p in native])
             self.full_slots, self.full_offsets = _concatenated([p.full_slots for p in native])
             self.comp_slots, self.comp_offsets = _concatenated([p.comp_slots for p in native])
 
     def attend(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q: [T, H, hd] -> [T, H, hd] over both pools."""
         out = torch.empty_like(q)
-        if self.others is not self.parts:
+        if self.native_rows is not None:
             out[self.native_rows] = self.router.attend_native(layer, q[self.native_rows], k_cache, v_cache, self)
         for part in self.others:
             out[part.rows] = self.router.attend_seq(layer, q[part.rows], k_cache, v_cache, part).to(q.dtype)
@@ -675,7 +674,7 @@ class KVRouter:
         order), over both pools in one call of o3edge's CPU kernel (cpu_router.cpp) -> [B, H, hd] in q's dtype."""
         qf = q.float()
         rot = self.rotation if self.rotation is not None else qf.new_empty(0)
-        o, _ = torch.ops.o3edge_cpu.router_decode_attention(
+        o = torch.ops.o3edge_cpu.router_decode_attention(
             qf, self._rotate(qf), k_cache.contiguous(), v_cache.contiguous(), step.full_slots, step.full_offsets,
             self.codes[layer, 0], self.codes[layer, 1], self.scales[layer, 0], self.scales[layer, 1], step.comp_slots,
             step.comp_offsets, rot)

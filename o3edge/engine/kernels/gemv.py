@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -1049,3 +1050,15 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         ASM=asm, SILU_OUT=silu_out, INT8=int8, num_warps=warps, **stages, **pdl.launch_options(on),
         **(int4_register_cap(M, warps, grid[0] * grid[1], sms) if asm else {}))
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
+
+
+def skinny_or_dequantized(x: torch.Tensor, out_features: int, skinny, dequantized) -> torch.Tensor:
+    """A quantized linear: x [..., K] -> [..., out_features] in x's dtype. Decode-sized inputs (at most MAX_ROWS
+    rows) by skinny(x2) (skinny_matmul on the weight as stored); larger ones (prefill, compute-bound) by cuBLAS on
+    dequantized(dtype), the weight dequantized into a scratch matrix (kernels/int4_matmul.py, int8_matmul.py)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = skinny(x2) if x2.shape[0] <= MAX_ROWS else F.linear(x2, dequantized(x2.dtype))
+    return y.view(*shape[:-1], out_features)

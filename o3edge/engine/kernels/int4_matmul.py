@@ -13,11 +13,10 @@ one) and bf16 scales_and_zeros [Kp/g, N, 2], W = (q - 8) * scale + zero per grou
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from o3edge.engine.kernels.gemv import MAX_ROWS, skinny_matmul, weight_tile
+from o3edge.engine.kernels.gemv import skinny_matmul, skinny_or_dequantized, weight_tile
 
 
 @triton.jit
@@ -49,13 +48,7 @@ def dequantize(qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                 out_features: int) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) @ INT4 W.T -> [..., N] in x's dtype."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if x2.shape[0] <= MAX_ROWS:
-        y = skinny_matmul(x2, qweight, scales_and_zeros=scales_and_zeros, group_size=group_size,
-                          out_features=out_features)
-    else:
-        y = F.linear(x2, dequantize(qweight, scales_and_zeros, group_size, x2.shape[1], x2.dtype))
-    return y.view(*shape[:-1], out_features)
+    return skinny_or_dequantized(
+        x, out_features, lambda x2: skinny_matmul(x2, qweight, scales_and_zeros=scales_and_zeros,
+                                                  group_size=group_size, out_features=out_features),
+        lambda dtype: dequantize(qweight, scales_and_zeros, group_size, x.shape[-1], dtype))

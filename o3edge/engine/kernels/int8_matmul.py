@@ -14,11 +14,10 @@ result are in the model dtype (float16, bfloat16; float32 under Triton's interpr
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from o3edge.engine.kernels.gemv import MAX_ROWS, skinny_matmul
+from o3edge.engine.kernels.gemv import skinny_matmul, skinny_or_dequantized
 
 
 @triton.jit
@@ -45,12 +44,5 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tor
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ (q * scales[:, None]).T -> [..., N] in x's dtype."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if x2.shape[0] <= MAX_ROWS:
-        y = skinny_matmul(x2, q, scales8=scales)
-    else:
-        y = F.linear(x2, dequantize(q, scales, x2.dtype))
-    return y.view(*shape[:-1], q.shape[0])
+    return skinny_or_dequantized(x, q.shape[0], lambda x2: skinny_matmul(x2, q, scales8=scales),
+                                 lambda dtype: dequantize(q, scales, dtype))
