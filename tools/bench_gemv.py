@@ -13,7 +13,8 @@ the whole model streams by. Compiles run first in parallel processes (Triton's d
   python tools/bench_gemv.py [--json OUT] [--grid] [--shapes tinyllama-1.1b,llama-1b] [--rows 1,8]
                              [--layers gate_up,down] [--weights dense|int4|int8|both|all]
 
-INT8 weights (W8A16, per-row scales) are timed against cuBLAS on the dense weight they came from.
+INT8 weights (W8A16, per-row scales) are timed against cuBLAS on the dense weight they came from. With
+GRID_SPLITS=1,2,4 the one-row grid times streamed rows split along K in those many work items (stream_splits).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def grid(M: int, weights: str) -> list[tuple[int, ...]]:
     """Tilings (BLOCK_N, BLOCK_K, splits, warps[, programs per SM: streamed, one row of dense weights[, software
     pipeline stages]])."""
     int4 = weights == "int4"
+    if M == 1 and os.environ.get("GRID_SPLITS"):  # streamed rows split along K (stream_splits): GRID_SPLITS=1,2,3
+        splits = tuple(int(v) for v in os.environ["GRID_SPLITS"].split(","))
+        return list(itertools.product((4, 8, 16), (1024, 2048), splits, (4, 8), (4, 8)))
     if M == 1 and weights == "int8":  # streamed like dense, tiles of half the bytes: wider ones too
         return list(itertools.product((8, 16, 32), (1024, 2048), (1,), (4, 8), (4, 6, 8)))
     if M == 1:

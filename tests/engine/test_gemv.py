@@ -170,6 +170,34 @@ def test_a_row_of_several_tiles_on_dp4a_quantizes_each_tile_in_turn(weights, mon
     _close(out, F.linear(act_quantized(silu_mul_reference(x)), dq), dtype)
 
 
+@pytest.mark.parametrize("weights", ["dense", "int4", "int8"])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_a_row_split_along_k_over_programs_sums_its_parts_in_order(weights, splits):
+    """One row whose K tiles are split over programs (a streamed plan's third entry): each row block's parts summed
+    by its last to finish, with the SiLU prologue and a bias, at a K of 2.5 tiles (splits 2: the second part's
+    second tile past K) and 9 row blocks on 4 programs. Repeated calls give the same bits (the parts are summed
+    in order whichever finishes last; the arrival counters are left at zero). INT4 in three parts runs on dp4a
+    (each part one tile), in two on the activations as they are."""
+    N, K, dtype = 72, 320, DTYPES[0]
+    g, x, w = _data(1, N, K, dtype, 23, x_cols=2 * K)
+    bias = torch.randn(N, generator=g).to(DEV, dtype)
+    act = silu_mul_reference(x)
+    if weights == "int4":
+        qw, sz = quantize_int4(w.float().cpu(), 64)
+        w, kw = qw.to(DEV), dict(scales_and_zeros=sz.to(DEV), group_size=64, out_features=N)
+        dq = dequantize_int4(qw, sz, K).to(dtype).float().to(DEV)
+        act = act_quantized(act) if splits == 3 else act.float()
+    elif weights == "int8":
+        w, s8, dq = _int8(w)
+        kw = dict(scales8=s8)
+        act = act_quantized(act)
+    else:
+        kw, dq = {}, w.float()
+    runs = [skinny_matmul(x, w, silu=True, bias=bias, config=(8, 128, splits, 4, 1), **kw) for _ in range(3)]
+    _close(runs[0], F.linear(act.float(), dq, bias.float()), dtype)
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+
+
 def test_int4_dp4a_reads_every_code_and_both_nibbles_of_a_byte():
     """W4A8 on one row with codes 0 and 15 at both ends and a different scale and zero per group: exact against
     the dequantized weight when the activations are exact in INT8 (their group's largest is 127 times a power
@@ -291,7 +319,7 @@ def test_more_rows_than_a_decode_batch_are_refused():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
     """tinyllama's one-row projections as the decode step runs them (streamed dense, INT4 on dp4a, with the
-    packed dot and without), its INT4 projections at 8 and 32 rows (planned tiles, then never swapped) and at
+    packed dot and without; llama-1b's INT4 down split along K), its INT4 projections at 8 and 32 rows (planned tiles, then never swapped) and at
     2-8 rows streamed (rows_int4), against prologue-then-linear in float32."""
     monkeypatch.setenv("O3EDGE_INT4_PACKED", "1")
     g, x, w = _data(1, 2560, 2048, dtype, 7)
@@ -302,7 +330,7 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
     _close(out, F.linear(normed.float(), w.float()), dtype)
     g, gu, w = _data(1, 2048, 5632, dtype, 8, x_cols=2 * 5632)
     _close(skinny_matmul(gu, w, silu=True), F.linear(silu_mul_reference(gu).float(), w.float()), dtype)
-    for N, K, group in ((11264, 2048, 128), (2048, 5632, 64)):
+    for N, K, group in ((11264, 2048, 128), (2048, 5632, 64), (2048, 8192, 128)):  # llama-1b's down: split in four
         g, x, w = _data(1, N, K, dtype, N)
         qw, sz = quantize_int4(w.float().cpu(), group)
         dq = dequantize_int4(qw, sz, K).to(dtype).float().to(DEV)
@@ -313,7 +341,8 @@ def test_planned_tilings_at_model_shapes_on_the_gpu(dtype, monkeypatch):
             monkeypatch.setenv("O3EDGE_INT4_PACKED", packed)
             monkeypatch.setenv("O3EDGE_INT4_STREAM", stream)
             out = skinny_matmul(x, qw.to(DEV), scales_and_zeros=sz.to(DEV), group_size=group, out_features=N)
-            _close(out, ref_dp4a if dp4a == "1" and stream != "0" and K <= 2048 else ref, dtype)  # one tile a row
+            # dp4a where a row, or each work item of a split row, is one tile
+            _close(out, ref_dp4a if dp4a == "1" and stream != "0" and (K <= 2048 or K % 2048 == 0) else ref, dtype)
         monkeypatch.delenv("O3EDGE_INT4_DP4A")
         for M, asm in itertools.product((2, 8, 32), ("1", "0")):  # decode batches: planned tiles (W @ x.T where
             monkeypatch.setenv("O3EDGE_INT4_ASM", asm)  # it pays), then never swapped; packed dequantize or not

@@ -593,25 +593,42 @@ def _store_out(acc, out_ptr, rm, m_mask, rn, n_mask, pid_n, N, stride_out, BLOCK
 
 
 @triton.jit
-def _next_tile(rn, kt: tl.constexpr, programs, K_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(rows, first column) of the tile a stream loads while tile kt of row block rn is used: this block's next
-    columns, or the next block's first."""
+def _next_tile(rn, item, k_item, kt: tl.constexpr, programs, rows, SPLITS: tl.constexpr, K_TILES: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(rows, first column) of the tile a stream loads while tile kt of work item `item` (rows rn, its K tiles from
+    column k_item) is used: this item's next tile, or the next item's first. Item i is row block i // SPLITS, K
+    tiles (i % SPLITS) * K_TILES on."""
     if kt + 1 < K_TILES:
-        return rn, (kt + 1) * BLOCK_K
-    return rn + programs * BLOCK_N, 0
+        return rn, k_item + (kt + 1) * BLOCK_K
+    if SPLITS == 1:
+        return rn + programs * BLOCK_N, 0
+    nxt = item + programs
+    return (nxt // SPLITS) * BLOCK_N + rows, (nxt % SPLITS) * (K_TILES * BLOCK_K)
 
 
 @triton.jit
-def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.constexpr,
-                       stride_x, stride_w, eps, PRO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       K_TILES: tl.constexpr, BLOCKS: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
-                       INT4: tl.constexpr = False, GROUP: tl.constexpr = 1, PACKED: tl.constexpr = False,
-                       INT8: tl.constexpr = False, WORDS: tl.constexpr = False):
-    """One activation row, a few programs per SM: each streams the row blocks pid, pid + programs, ...
-    tile after tile, the next weight tile's load issued before the current tile is used. The prologue's
-    statistics are computed once per program, not once per row block, and the first tile is in flight
-    before the wait for the previous kernel (weights are no kernel's output).
-    DEFER (dense): products are summed across threads once per row block instead of once per tile.
+def _finish_rows(acc, rn, N, sz_ptr, bias_ptr, out_ptr, INT8: tl.constexpr):
+    """A row block's sums [BLOCK_N] float32: INT8 rows scaled, the bias added, stored in out's dtype."""
+    acc = _row_scaled(acc, sz_ptr, rn, rn < N, INT8)
+    if bias_ptr is not None:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N,
+                       K: tl.constexpr, stride_x, stride_w, eps, PRO: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, BLOCKS: tl.constexpr, DEFER: tl.constexpr,
+                       PDL: tl.constexpr, INT4: tl.constexpr = False, GROUP: tl.constexpr = 1,
+                       PACKED: tl.constexpr = False, INT8: tl.constexpr = False, WORDS: tl.constexpr = False,
+                       SPLITS: tl.constexpr = 1, X_AHEAD: tl.constexpr = False):
+    """One activation row, a few programs per SM: each streams the work items pid, pid + programs, ... tile after
+    tile, the next weight tile's load issued before the current tile is used. A work item is a row block's
+    K_TILES tiles; with SPLITS > 1 a row block's row is split in SPLITS items along K (stream_splits), each item's
+    partial sums stored and the block's last item to finish summing them in order (last_arrival). The prologue's
+    statistics are computed once per program, not once per item, and the first tile is in flight before the
+    wait for the previous kernel (weights are no kernel's output).
+    DEFER (dense): products are summed across threads once per item instead of once per tile.
     INT4: the stored tile (words for the packed dot) is what is in flight; it is unpacked when used.
     INT8: as dense, on the codes (int8_float), each row's sum scaled at the end; WORDS: int32 words of four
     codes, the activations quantized (_quantized_x) and multiplied by dp4a. INT4 with WORDS: the stored words
@@ -622,38 +639,50 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
     rm = tl.arange(0, 1)
     m_mask = rm < 1
     rows = tl.arange(0, BLOCK_N)
-    rn = pid * BLOCK_N + rows
+    rn = (pid // SPLITS) * BLOCK_N + rows
+    k_first = (pid % SPLITS) * (K_TILES * BLOCK_K)
     if INT4:
-        q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn, rn < N, 0, K, N, stride_w, GROUP, BLOCK_K,
+        q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn, rn < N, k_first, K, N, stride_w, GROUP, BLOCK_K,
                                                 PACKED or WORDS)
     elif WORDS:
-        w_next = _int8_words(w_ptr, rn, rn < N, 0, K, stride_w, BLOCK_K)
+        w_next = _int8_words(w_ptr, rn, rn < N, k_first, K, stride_w, BLOCK_K)
     else:
-        w_next = weight_tile(w_ptr, None, rn, rn < N, 0, K, N, stride_w, False, 1, BLOCK_K, dtype)
+        w_next = weight_tile(w_ptr, None, rn, rn < N, k_first, K, N, stride_w, False, 1, BLOCK_K, dtype)
     pdl.wait_for_previous(PDL)
     rstd = tl.zeros([1], tl.float32)
     if PRO == 1:
         rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, rm, m_mask, K, stride_x, eps, pid == 0, 1, BLOCK_K, dtype)
-    if WORDS and K_TILES == 1:  # the whole row quantized once, for every row block
+    ONE_TILE: tl.constexpr = K_TILES * SPLITS == 1
+    if WORDS and ONE_TILE:  # the whole row quantized once, for every row block
         x0 = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, tl.arange(0, BLOCK_K), K, stride_x, rstd, PRO, dtype)
         if INT4:
             xe0, xo0, xs0, xsum0 = _nibble_x(x0, BLOCK_K)
         else:
             xw0, xs0 = _quantized_x(x0, BLOCK_K)
+    if X_AHEAD:
+        x_next = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, k_first + tl.arange(0, BLOCK_K), K, stride_x, rstd,
+                             PRO, dtype)
     for b in range(BLOCKS):
-        rn = (pid + b * programs) * BLOCK_N + rows
+        item = pid + b * programs
+        rn = (item // SPLITS) * BLOCK_N + rows
+        k_item = (item % SPLITS) * (K_TILES * BLOCK_K)
         acc = tl.zeros([BLOCK_N], tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K // (1 + 3 * WORDS)], tl.float32)
         for kt in tl.static_range(K_TILES):
-            rn2, k2 = _next_tile(rn, kt, programs, K_TILES, BLOCK_N, BLOCK_K)
-            x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, kt * BLOCK_K + tl.arange(0, BLOCK_K), K, stride_x,
-                            rstd, PRO, dtype)
+            rn2, k2 = _next_tile(rn, item, k_item, kt, programs, rows, SPLITS, K_TILES, BLOCK_N, BLOCK_K)
+            if X_AHEAD:  # this tile's activations were loaded with the tile before; the next tile's now
+                x = x_next
+                x_next = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, k2 + tl.arange(0, BLOCK_K), K, stride_x, rstd,
+                                     PRO, dtype)
+            else:
+                x = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, k_item + kt * BLOCK_K + tl.arange(0, BLOCK_K), K,
+                                stride_x, rstd, PRO, dtype)
             if INT4:
                 q, sc, zr = q_next, s_next, z_next
                 q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP,
                                                         BLOCK_K, PACKED or WORDS)
                 if WORDS:
-                    if K_TILES == 1:
+                    if ONE_TILE:
                         xe, xo, xs, xsum = xe0, xo0, xs0, xsum0
                     else:
                         xe, xo, xs, xsum = _nibble_x(x, BLOCK_K)
@@ -663,7 +692,7 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
             elif WORDS:
                 w = w_next
                 w_next = _int8_words(w_ptr, rn2, rn2 < N, k2, K, stride_w, BLOCK_K)
-                if K_TILES == 1:
+                if ONE_TILE:
                     xw, xs = xw0, xs0
                 else:
                     xw, xs = _quantized_x(x, BLOCK_K)
@@ -680,10 +709,14 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
                     acc += tl.sum(_as_float(w, INT8) * x.to(tl.float32), axis=1)
         if DEFER and not INT4:
             acc = tl.sum(acc2, axis=1)
-        acc = _row_scaled(acc, sz_ptr, rn, rn < N, INT8)
-        if bias_ptr is not None:
-            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+        if SPLITS == 1:
+            _finish_rows(acc, rn, N, sz_ptr, bias_ptr, out_ptr, INT8)
+        elif (item // SPLITS) * BLOCK_N < N:  # a row block's items: partial sums [SPLITS, N], summed in order
+            if last_arrival(part_ptr + (item % SPLITS) * N + rn, acc, rn < N, count_ptr + item // SPLITS, SPLITS):
+                total = tl.zeros([BLOCK_N], tl.float32)
+                for s in tl.static_range(SPLITS):
+                    total += tl.load(part_ptr + s * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
+                _finish_rows(total, rn, N, sz_ptr, bias_ptr, out_ptr, INT8)
 
 
 @triton.jit
@@ -722,7 +755,7 @@ def _rows_stream_kernel(x_ptr, w_ptr, sz_ptr, bias_ptr, out_ptr, N, K: tl.conste
         rn = (pid + b * programs) * BLOCK_N + rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kt in tl.static_range(K_TILES):
-            rn2, k2 = _next_tile(rn, kt, programs, K_TILES, BLOCK_N, BLOCK_K)
+            rn2, k2 = _next_tile(rn, pid + b * programs, 0, kt, programs, rows, 1, K_TILES, BLOCK_N, BLOCK_K)
             q, sc, zr = q_next, s_next, z_next
             q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP, BLOCK_K,
                                                     PACKED)
@@ -787,18 +820,45 @@ def dp4a_int8(K: int, block_k: int) -> bool:
     return K % ACT_GROUP.value == 0 and block_k % ACT_GROUP.value == 0 and os.environ.get("O3EDGE_INT8_DP4A") != "0"
 
 
-def dp4a_int4(K: int, block_k: int) -> bool:
+def dp4a_int4(K: int, block_k: int, splits: int = 1) -> bool:
     """Whether one streamed row of INT4 weights runs on dp4a (W4A8), its activations quantized per group of 32
     columns as INT8's one-row kernel does (_nibble_x, _int4_word_dots), rather than on the packed half-precision
-    dot (W4A16, PACKED_DOT_*): where the row is one tile, quantized once a program, unless O3EDGE_INT4_DP4A=0.
+    dot (W4A16, PACKED_DOT_*): where the row is one tile, quantized once a program, or where a row split along K
+    (stream_splits) gives each work item one tile, unless O3EDGE_INT4_DP4A=0.
 
     On the H200 (tools/bench_gemv.py --weights int4 --rows 1 --grid, group 128, op before fused in;
     docs/results/gpu-2026-12-04-w4a8/call1/), µs, packed dot -> dp4a: gate/up tinyllama-1.1b 8.5 -> 5.4 and
     llama-1b 8.9 -> 6.6, the INT4 LM head 15.5 -> 11.0 and 57.7 -> 38.0. The down projection (its row in three
     or four tiles, each quantized in turn) was slower on dp4a: 5.0 -> 6.1-6.2 and 6.4 -> 7.2-8.2
-    (O3EDGE_INT4_DP4A=all: every shape, to measure)."""
+    (O3EDGE_INT4_DP4A=all: every shape, to measure); llama-1b's, split in one item a tile, is faster (5.67 us)."""
     forced = os.environ.get("O3EDGE_INT4_DP4A")
-    return forced != "0" and (K <= block_k or forced == "all")
+    return forced != "0" and (K <= block_k * splits or forced == "all")
+
+
+def x_ahead() -> bool:
+    """Whether a streamed row whose work items hold several K tiles loads each tile's activations (and its prologue)
+    with the tile before, as it does the weights, rather than when the tile is used: unless O3EDGE_GEMV_X_AHEAD=0.
+    On the H200 (tools/bench_gemv.py --rows 1 --weights all --layers down, with and without;
+    docs/results/gpu-2026-12-04-split/call2/down-xa{1,0}.json), µs: tinyllama-1.1b's INT4 down 5.0 -> 4.7, INT8
+    5.8 -> 5.5; llama-1b's dense down 10.1 -> 9.2, INT8 6.8 -> 6.1; tinyllama's dense down (six 1,024-column
+    tiles) 7.4 either way."""
+    return os.environ.get("O3EDGE_GEMV_X_AHEAD") != "0"
+
+
+def stream_splits(K: int, block_k: int) -> int:
+    """Work items a streamed row of K columns is split in along K (_row_stream_kernel's SPLITS): one per tile of
+    block_k columns, unless O3EDGE_GEMV_SPLIT=0 (a row block's tiles streamed by one program). Each item's
+    partial sums are stored, and the row block's last item to finish adds them up in order (last_arrival).
+
+    The plan splits only INT4 rows of whole 2,048-column tiles (llama-1b's down projection, 8,192 columns), in
+    16-row blocks: 512 items, about one a program in one wave, each item's tile on dp4a (one tile: dp4a_int4).
+    On the H200 (tools/bench_gemv.py --rows 1 --layers down --grid, GRID_SPLITS=1,2,3,4,6;
+    docs/results/gpu-2026-12-04-split/call1/): llama-1b's INT4 down 6.38 us (packed dot, unsplit) -> 5.67, and a
+    llama-1b bf16 INT4-FFN step's graph 0.580 -> 0.535 ms (tools/profile_gpu_step.py --variants, call2). Not
+    split, because it was no faster or slower: tinyllama-1.1b's INT4 down (5,632 columns: 5.0 either way), the
+    dense and INT8 downs (7.4 -> 7.7, 9.9 -> 10.0 at best), and splits of 8-row blocks (7.1-7.6: two items a
+    program)."""
+    return 1 if os.environ.get("O3EDGE_GEMV_SPLIT") == "0" else triton.cdiv(K, block_k)
 
 
 def stream_int4(N: int, K: int) -> bool:
@@ -879,8 +939,8 @@ def swap_int4(M: int, N: int) -> bool:
 def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False, int8: bool = False) -> tuple[int, ...]:
     """(BLOCK_N, BLOCK_K, splits, num_warps[, programs per SM[, pipeline stages]]) for an M x K by K x N
     skinny matmul; a fifth entry streams one row (_row_stream_kernel; dense weights, INT4 where stream_int4
-    says) or two INT4 rows (_rows_stream_kernel, rows_int4) on that many programs per SM, a sixth sets the
-    software pipeline's stages.
+    says; splits > 1: the row split along K in that many work items, stream_splits) or two INT4 rows
+    (_rows_stream_kernel, rows_int4) on that many programs per SM, a sixth sets the software pipeline's stages.
 
     At one row: wide K tiles (1,024-2,048 columns) over thin row slices, so each SM has many weight bytes
     in flight; dense weights stream on 6-8 programs per SM. The best tilings of H200 grid searches
@@ -911,7 +971,7 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False, in
         # on, 4 programs per SM (a grid with the packed dot's multiply-adds, docs/results/gpu-2026-12-02j/int4-fma/:
         # llama-1b gate/up 9.7 -> 8.7 us, tinyllama's head 16.2 -> 15.4)
         if K >= 4096:
-            return 8, 2048, 1, 8, 4
+            return (16, 2048, stream_splits(K, 2048), 8, 4) if K % 2048 == 0 else (8, 2048, 1, 8, 4)
         if N < 8192:  # the attention projections: whole rows of 2,048 columns, 8 warps (a grid,
             # docs/results/gpu-2026-12-02k/gemv/: tinyllama QKV 4.6 -> 3.4 us, o 3.7 -> 2.3; llama-1b 5.0 -> 3.4,
             # 3.8 -> 2.2)
@@ -1005,22 +1065,27 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     res_out = torch.empty_like(x) if pro == PRO_NORM and residual is not None else None
     on = pdl.enabled(str(x.device))
     out = torch.empty(M, N // 2 if silu_out else N, device=x.device, dtype=x.dtype)
-    if per_sm:  # row blocks streamed on a few programs per SM
+    if per_sm:  # work items (row blocks, each split in `splits` along K at one row) on a few programs per SM
         blocks = triton.cdiv(N, block_n)
-        programs = min(blocks, sms * per_sm)
+        splits = splits if M == 1 else 1
+        items = blocks * splits
+        programs = min(items, sms * per_sm)
     if silu_out and (per_sm or M == 1 or pro != PRO_NONE or N % 2):
         raise ValueError(f"SiLU in the epilogue takes tiles of 2-{MAX_ROWS} rows, no prologue, an even N; got "
                          f"{M} rows, N={N}" + (", streamed" if per_sm else ""))
     if per_sm and M == 1:
         # one row of INT8 weights by dp4a where whole activation groups tile the row (dp4a_int8); INT4 (dp4a_int4)
+        k_tiles = triton.cdiv(triton.cdiv(K, block_k), splits)  # an item's tiles
         words = (int8 and dp4a_int8(K, block_k) and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
-                 or int4 and dp4a_int4(K, block_k))
+                 or int4 and dp4a_int4(K, block_k, splits))
         if INTERPRET and config is None:  # each program recomputes the prologue's statistics: two programs
             programs = min(programs, 2)
+        part = out if splits == 1 else torch.empty(splits, N, device=x.device, dtype=torch.float32)
+        count = out if splits == 1 else arrival_counters(x.device, blocks)
         _row_stream_kernel[(programs,)](
-            x, residual, res_out, norm_weight, weight, scales8 if int8 else scales_and_zeros, bias, out, N, K,
-            x.stride(0), weight.stride(0), eps, PRO=pro, BLOCK_N=block_n, BLOCK_K=block_k,
-            K_TILES=triton.cdiv(K, block_k), BLOCKS=triton.cdiv(blocks, programs),
+            x, residual, res_out, norm_weight, weight, scales8 if int8 else scales_and_zeros, bias, out, part, count,
+            N, K, x.stride(0), weight.stride(0), eps, PRO=pro, BLOCK_N=block_n, BLOCK_K=block_k,
+            K_TILES=k_tiles, BLOCKS=triton.cdiv(items, programs), SPLITS=splits, X_AHEAD=k_tiles > 1 and x_ahead(),
             # at most 32 float32 partial sums a thread
             DEFER=not int4 and block_n * block_k // (4 if words else 1) <= 32 * 32 * warps,
             PDL=on, INT4=int4, GROUP=max(group_size, 1), PACKED=int4 and packed_int4(x), INT8=int8, WORDS=words,
@@ -1032,7 +1097,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
         _rows_stream_kernel[(programs,)](
             x, weight, scales_and_zeros, bias, out, N, K, x.stride(0), weight.stride(0), N, ROWS=M,
             BLOCK_M=max(2, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
-            K_TILES=triton.cdiv(K, block_k), BLOCKS=triton.cdiv(blocks, programs), PDL=on, GROUP=max(group_size, 1),
+            K_TILES=triton.cdiv(K, block_k), BLOCKS=triton.cdiv(items, programs), PDL=on, GROUP=max(group_size, 1),
             PACKED=packed_int4(x), UNROLL=os.environ.get("O3EDGE_INT4_ROWS_UNROLL") != "0", num_warps=warps,
             **pdl.launch_options(on))
         return out
