@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+import math
 import time
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Trimmer:
 
     def __init__(self):
         self.pending_bytes = 0
-        self.last = 0.0
+        self.last = -math.inf  # the first trim waits for nothing (time.monotonic() may start near 0 after a boot)
         self.last_input = 0.0
         self.num_trims = 0
         self.follow_up = False

@@ -202,10 +202,16 @@ def kept_by(eng: LLMEngine, seq: Sequence) -> dict:
 
 
 def held_out(tok, n_prompts: int, length: int) -> tuple[list[list[int]], list[int]]:
-    """n_prompts windows of held-out documentation, and more held-out tokens for filler."""
+    """n_prompts windows of held-out documentation, and more held-out tokens for filler. Where this machine has no
+    Python documentation (python3.11-doc) and no corpus pack, the held-out modules' docstrings of Python's own
+    library, which every machine has, stand in (said on stderr)."""
     import reference_corpus
 
-    _, _, held = reference_corpus.split(reference_corpus.load(None, ("docs",)))
+    source = "docs"
+    if not os.path.exists(reference_corpus.DEFAULT_PACK) and reference_corpus.docs_dir() is None:
+        source = "stdlib"
+        print("no Python documentation here: held-out stdlib docstrings as prompts", file=sys.stderr)
+    _, _, held = reference_corpus.split(reference_corpus.load(None, (source,)))
     ids: list[int] = []
     for text in held.values():
         ids += tok.encode(text, add_special_tokens=False)

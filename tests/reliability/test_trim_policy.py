@@ -40,3 +40,14 @@ def test_trims_are_spaced(monkeypatch):
     t.note(2 << 20)
     t.maybe_trim()
     assert t.num_trims == 1
+
+
+def test_the_first_big_input_is_trimmed_however_recently_the_machine_booted(monkeypatch):
+    """An edge box's monotonic clock starts near zero at boot: the first trim must not wait for it to pass
+    TRIM_EVERY_S."""
+    monkeypatch.setattr(memory, "TRIM_EVERY_S", 3600.0)
+    monkeypatch.setattr(memory.time, "monotonic", lambda: 5.0)  # five seconds after a boot
+    t = memory.Trimmer()
+    t.note(2 << 20)
+    t.maybe_trim()
+    assert t.num_trims == 1
