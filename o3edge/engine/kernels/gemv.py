@@ -607,6 +607,26 @@ def _next_tile(rn, item, k_item, kt: tl.constexpr, programs, rows, SPLITS: tl.co
 
 
 @triton.jit
+def _x_codes(x, INT4: tl.constexpr, BLOCK_K: tl.constexpr):
+    """An activation tile [1, BLOCK_K] quantized for dp4a: _nibble_x's words (INT4 weights) or _quantized_x's."""
+    if INT4:
+        codes = _nibble_x(x, BLOCK_K)
+    else:
+        codes = _quantized_x(x, BLOCK_K)
+    return codes
+
+
+@triton.jit
+def _tile_codes(x, codes0, ONE_TILE: tl.constexpr, INT4: tl.constexpr, BLOCK_K: tl.constexpr):
+    """dp4a's activation codes for tile x: the row's one tile's, quantized once a program (codes0), or x's own."""
+    if ONE_TILE:
+        codes = codes0
+    else:
+        codes = _x_codes(x, INT4, BLOCK_K)
+    return codes
+
+
+@triton.jit
 def _finish_rows(acc, rn, N, sz_ptr, bias_ptr, out_ptr, INT8: tl.constexpr):
     """A row block's sums [BLOCK_N] float32: INT8 rows scaled, the bias added, stored in out's dtype."""
     acc = _row_scaled(acc, sz_ptr, rn, rn < N, INT8)
@@ -653,12 +673,10 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
     if PRO == 1:
         rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, rm, m_mask, K, stride_x, eps, pid == 0, 1, BLOCK_K, dtype)
     ONE_TILE: tl.constexpr = K_TILES * SPLITS == 1
+    codes0 = None
     if WORDS and ONE_TILE:  # the whole row quantized once, for every row block
         x0 = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, tl.arange(0, BLOCK_K), K, stride_x, rstd, PRO, dtype)
-        if INT4:
-            xe0, xo0, xs0, xsum0 = _nibble_x(x0, BLOCK_K)
-        else:
-            xw0, xs0 = _quantized_x(x0, BLOCK_K)
+        codes0 = _x_codes(x0, INT4, BLOCK_K)
     if X_AHEAD:
         x_next = _input_tile(x_ptr, res_ptr, nw_ptr, rm, m_mask, k_first + tl.arange(0, BLOCK_K), K, stride_x, rstd,
                              PRO, dtype)
@@ -682,20 +700,14 @@ def _row_stream_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, sz_ptr, bias_
                 q_next, s_next, z_next = _int4_row_tile(w_ptr, sz_ptr, rn2, rn2 < N, k2, K, N, stride_w, GROUP,
                                                         BLOCK_K, PACKED or WORDS)
                 if WORDS:
-                    if ONE_TILE:
-                        xe, xo, xs, xsum = xe0, xo0, xs0, xsum0
-                    else:
-                        xe, xo, xs, xsum = _nibble_x(x, BLOCK_K)
+                    xe, xo, xs, xsum = _tile_codes(x, codes0, ONE_TILE, INT4, BLOCK_K)
                     acc += _int4_word_dots(q, sc, zr, xe, xo, xs, xsum, GROUP, BLOCK_K)
                 else:
                     acc += _int4_tile_row_dot(x, q, sc, zr, GROUP, BLOCK_K, PACKED)
             elif WORDS:
                 w = w_next
                 w_next = _int8_words(w_ptr, rn2, rn2 < N, k2, K, stride_w, BLOCK_K)
-                if ONE_TILE:
-                    xw, xs = xw0, xs0
-                else:
-                    xw, xs = _quantized_x(x, BLOCK_K)
+                xw, xs = _tile_codes(x, codes0, ONE_TILE, INT4, BLOCK_K)
                 if DEFER:
                     acc2 = _int8_word_dots(acc2, w, xw, xs)
                 else:
