@@ -978,6 +978,10 @@ def plan(M: int, N: int, K: int, int4: bool, num_sms: int, asm: bool = False, in
     if M > 1:
         return 32, min(256, triton.next_power_of_2(K)), 1, 4
     if int4 and stream_int4(N, K) and dp4a_int4(K, min(2048, triton.next_power_of_2(K))):  # W4A8, as INT8's
+        if N < 8192:  # the attention projections (--int4-all): o in blocks of 4 rows, QKV of 16 (an H200 grid,
+            # docs/results/gpu-2026-12-04-split/call4/: tinyllama o 2.56 -> 2.02 us, QKV 3.64 -> 3.06; llama-1b o
+            # 2.64 -> 2.04, QKV 3.27 -> 3.37)
+            return (4 if N <= K else 16), min(2048, triton.next_power_of_2(K)), 1, 8, 4
         return int8_plan(M, N, K, num_sms)
     if int4 and stream_int4(N, K):  # the FFN, the LM head, --int4-all's attention projections; from 16,384 rows
         # on, 4 programs per SM (a grid with the packed dot's multiply-adds, docs/results/gpu-2026-12-02j/int4-fma/:
