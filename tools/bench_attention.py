@@ -150,8 +150,8 @@ def main() -> None:
     ap.add_argument("--grid", action="store_true")
     ap.add_argument("--splits", default=None, help="also these key splits at the planned tiling (comma-separated)")
     ap.add_argument("--configs", default=None,
-                    help="router cases: also these tilings at the planned splits, a JSON list of "
-                         "[BLOCK_N, compressed keys a tile, warps, stages]")
+                    help="also these tilings at the planned splits, a JSON list of [BLOCK_N, compressed keys a "
+                         "tile, warps, stages] (router cases) or [BLOCK_N, warps, stages] (off)")
     ap.add_argument("--observe", action="store_true",
                     help="router cases observe saliency as a refresh step does: in one key split (--splits 1) "
                          "a second pass over the keys; in several, scores stored and observed after them")
@@ -178,8 +178,8 @@ def main() -> None:
     for case in a.cases.split(","):
         planned = full_splits if case == "off" else router_splits[case.split("-")[0]]
         configs = [(planned, None)] + [(int(x), None) for x in (a.splits or "").split(",") if x]
-        if a.configs and case != "off":
-            configs += [(planned, tuple(c)) for c in json.loads(a.configs)]
+        if a.configs:  # off: (BLOCK_N, warps, stages); the router's kernel: (BLOCK_N, compressed tile, warps, stages)
+            configs += [(planned, tuple(c)) for c in json.loads(a.configs) if len(c) == (3 if case == "off" else 4)]
         if a.grid:
             splits = sorted({planned, 2 * planned, 4 * planned})
             if case == "off":
