@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # the step: cpu_step.cpp binds cpu_core.cpp (which native_lib.py also builds without torch) for cpu_step.py
 SOURCES = [SOURCE, SOURCE.with_name("cpu_step.cpp"), SOURCE.with_name("cpu_core.cpp"), SOURCE.with_name("cpu_core.h"),
-           SOURCE.with_name("cpu_kernels.h"), SOURCE.with_name("cpu_router.cpp")]
+           SOURCE.with_name("cpu_kernels.h"), SOURCE.with_name("cpu_router.cpp"), SOURCE.with_name("cpu_attend.h")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
 if os.environ.get("O3EDGE_CPU_PROFILE") == "1":  # the native step's phase timers (tools/profile_cpu_step.py)
     _CFLAGS.append("-DO3_PROFILE")

@@ -7,69 +7,53 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu_attend.h"
+
 using at::Tensor;
 
-// One new token per sequence: write k, v [B, KVH, hd] at cache slots [B] of `layer`, then attend each q
-// [B, H, hd] to its sequence's keys, slots [slot - position, slot] (consecutive) -> [B, H, hd].
-// kv_cache: [L, 2, S, KVH, hd] float32, contiguous.
-Tensor span_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& kv_cache, int64_t layer,
-                      const Tensor& slots, const Tensor& positions) {
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat, "kv_cache: contiguous float32");
-  auto qc = q.contiguous().to(at::kFloat), kc = k.contiguous().to(at::kFloat), vc = v.contiguous().to(at::kFloat);
-  const int64_t B = q.size(0), H = q.size(1), hd = q.size(2), KVH = kv_cache.size(3), S = kv_cache.size(2);
+// span_attention (below) over a pool of T elements.
+template <typename T>
+static Tensor span_attend(const Tensor& qc, const Tensor& kc, const Tensor& vc, Tensor& kv_cache, int64_t layer,
+                          const int64_t* sl, const int64_t* ps) {
+  using o3attend::Vec;
+  using o3attend::W;
+  const int64_t B = qc.size(0), H = qc.size(1), hd = qc.size(2), KVH = kv_cache.size(3), S = kv_cache.size(2);
   const int64_t rep = H / KVH, row = KVH * hd;
-  float* kbase = kv_cache.data_ptr<float>() + layer * 2 * S * row;
-  float* vbase = kbase + S * row;
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t* ps = positions.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
+  T* kbase = kv_cache.data_ptr<T>() + layer * 2 * S * row;
+  T* vbase = kbase + S * row;
+  const float* knew = kc.data_ptr<float>();
+  const float* vnew = vc.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {  // the new keys and values, rounded to the pool's type as torch rounds
     TORCH_CHECK(sl[b] >= ps[b] && sl[b] < S, "slot out of range");
-    std::memcpy(kbase + sl[b] * row, kc.data_ptr<float>() + b * row, row * sizeof(float));
-    std::memcpy(vbase + sl[b] * row, vc.data_ptr<float>() + b * row, row * sizeof(float));
+    for (int64_t i = 0; i < row; ++i) {
+      kbase[sl[b] * row + i] = static_cast<T>(knew[b * row + i]);
+      vbase[sl[b] * row + i] = static_cast<T>(vnew[b * row + i]);
+    }
   }
-  auto out = at::empty({B, H, hd}, q.options().dtype(at::kFloat));
+  auto out = at::empty({B, H, hd}, qc.options());
   const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt((float)hd);
   int64_t maxlen = 0;
   for (int64_t b = 0; b < B; ++b) maxlen = std::max(maxlen, ps[b] + 1);
   const int64_t grain = maxlen * B * H >= 4096 ? 1 : B * KVH;  // short contexts: one thread, no fork
-  using Vec = at::vec::Vectorized<float>;
-  constexpr int64_t W = Vec::size();
   TORCH_CHECK(hd % W == 0 && hd <= 256, "head_dim must be a multiple of ", W, " and <= 256");
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> sc(rep * maxlen + W);
+    std::vector<float> sc(rep * maxlen + W), wide(hd);
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / KVH, g = bg % KVH, n = ps[b] + 1, start = sl[b] - ps[b];
       const float* qh = qp + (b * H + g * rep) * hd;
-      for (int64_t t = 0; t < n; ++t) {  // scores: each key row read once for the group's heads
-        const float* kt = kbase + (start + t) * row + g * hd;
-        for (int64_t r = 0; r < rep; ++r) {
-          const float* qr = qh + r * hd;
-          Vec acc = Vec::loadu(qr) * Vec::loadu(kt);
-          for (int64_t d = W; d < hd; d += W) acc = at::vec::fmadd(Vec::loadu(qr + d), Vec::loadu(kt + d), acc);
-          sc[r * n + t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc) * scale;
-        }
+      for (int64_t t = 0; t < n; ++t) {  // scores: each key row read (and widened) once for the group's heads
+        const float* kt = o3attend::as_float(kbase + (start + t) * row + g * hd, hd, wide.data());
+        for (int64_t r = 0; r < rep; ++r) sc[r * n + t] = o3attend::dot(qh + r * hd, kt, hd) * scale;
       }
       for (int64_t r = 0; r < rep; ++r) {
         float* s = sc.data() + r * n;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-        const Vec vm(m);
-        Vec vsum(0.f);
-        int64_t t = 0;
-        for (; t + W <= n; t += W) {
-          Vec e = (Vec::loadu(s + t) - vm).exp_u20();
-          e.store(s + t);
-          vsum = vsum + e;
-        }
-        float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
-        for (; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        const float inv = 1.f / sum;
+        const float inv = 1.f / o3attend::exp_shifted(s, n);
         Vec acc[256 / W];
         for (int64_t i = 0; i < hd / W; ++i) acc[i] = Vec(0.f);
         for (int64_t t2 = 0; t2 < n; ++t2) {
-          const float* vt = vbase + (start + t2) * row + g * hd;
+          const float* vt = o3attend::as_float(vbase + (start + t2) * row + g * hd, hd, wide.data());
           const Vec p(s[t2]);
           for (int64_t i = 0; i < hd / W; ++i) acc[i] = at::vec::fmadd(p, Vec::loadu(vt + i * W), acc[i]);
         }
@@ -78,6 +62,27 @@ Tensor span_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor&
       }
     }
   });
+  return out;
+}
+
+// One new token per sequence: write k, v [B, KVH, hd] at cache slots [B] of `layer`, then attend each q
+// [B, H, hd] to its sequence's keys, slots [slot - position, slot] (consecutive) -> [B, H, hd].
+// kv_cache: [L, 2, S, KVH, hd] float32, bfloat16 or float16, contiguous.
+Tensor span_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& kv_cache, int64_t layer,
+                      const Tensor& slots, const Tensor& positions) {
+  const auto dt = kv_cache.scalar_type();
+  TORCH_CHECK(kv_cache.is_contiguous() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf),
+              "kv_cache: contiguous float32, bfloat16 or float16");
+  auto qc = q.contiguous().to(at::kFloat), kc = k.contiguous().to(at::kFloat), vc = v.contiguous().to(at::kFloat);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* ps = positions.data_ptr<int64_t>();
+  Tensor out;
+  if (dt == at::kFloat)
+    out = span_attend<float>(qc, kc, vc, kv_cache, layer, sl, ps);
+  else if (dt == at::kBFloat16)
+    out = span_attend<at::BFloat16>(qc, kc, vc, kv_cache, layer, sl, ps);
+  else
+    out = span_attend<at::Half>(qc, kc, vc, kv_cache, layer, sl, ps);
   return out.to(q.scalar_type());
 }
 

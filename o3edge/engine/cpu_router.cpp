@@ -1,5 +1,6 @@
 // The token router's decode attention on the CPU (see o3edge/engine/router.py, RouterStep.attend): each
-// sequence's decoding query over its full-precision keys (float32 cache rows, scattered slots) and its
+// sequence's decoding query over its full-precision keys (cache rows in float32, bfloat16 or float16, scattered
+// slots; other than float32, each row is widened to float32 once for its GQA group's heads) and its
 // compressed ones (codes with one float16 scale per token and KV head: INT8, or INT4 in a Hadamard-rotated
 // basis), one softmax over both; a step's sequences in one call a layer. Built with cpu_kernels.cpp (cpu_ext.py).
 #include <ATen/ATen.h>
@@ -10,15 +11,13 @@
 #include <cmath>
 #include <vector>
 
-using at::Tensor;
-using Vec = at::vec::Vectorized<float>;
+#include "cpu_attend.h"
 
-static inline float dot(const float* a, const float* b, int64_t hd) {
-  constexpr int64_t W = Vec::size();
-  Vec acc = Vec::loadu(a) * Vec::loadu(b);
-  for (int64_t d = W; d < hd; d += W) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-}
+using at::Tensor;
+using o3attend::as_float;
+using o3attend::dot;
+using o3attend::Vec;
+using o3attend::W;
 
 // one vector's codes as floats (int8: hd bytes; int4: hd / 2 bytes, the even dimension in the low nibble,
 // two's-complement nibbles in [-7, 7])
@@ -34,57 +33,17 @@ static inline void decode_codes(const uint8_t* c, bool int4, int64_t hd, float* 
   }
 }
 
-// A step's decoding queries, one a sequence: q [B, H, hd] float32; qr: q in the compressed pool's basis (int4:
-// q @ R; int8: q); k_cache, v_cache [S, KVH, hd] float32 (one layer's); full_slots int64 [sum of Sf], sequence b's
-// at [full_offsets[b], full_offsets[b + 1]); k_codes, v_codes [C, KVH, cd] int8 (INT8) or uint8 (INT4); k_scales,
-// v_scales [C, KVH] float16; comp_slots, comp_offsets alike; rotation [hd, hd] float32 (INT4) or empty. Returns
-// the attention output in the model's basis, out [B, H, hd] float32.
-Tensor router_decode_attention(
-    const Tensor& q, const Tensor& qr, const Tensor& k_cache, const Tensor& v_cache, const Tensor& full_slots,
-    const Tensor& full_offsets, const Tensor& k_codes, const Tensor& v_codes, const Tensor& k_scales,
-    const Tensor& v_scales, const Tensor& comp_slots, const Tensor& comp_offsets, const Tensor& rotation) {
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "router_decode_attention: a contiguous float32 cache");
-  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scales.is_contiguous() &&
-              v_scales.is_contiguous() && k_scales.scalar_type() == at::kHalf, "router_decode_attention: codes");
-  const auto qc = q.contiguous().to(at::kFloat), qrc = qr.contiguous().to(at::kFloat);
-  const int64_t B = qc.size(0), H = qc.size(1), hd = qc.size(2), KVH = k_cache.size(1), rep = H / KVH;
-  const int64_t row = KVH * hd;
-  const bool int4 = k_codes.scalar_type() == at::kByte;
-  const int64_t cd = k_codes.size(2), crow = KVH * cd;
-  constexpr int64_t W = Vec::size();
-  TORCH_CHECK(hd % W == 0 && hd <= 256 && cd == (int4 ? hd / 2 : hd), "router_decode_attention: head_dim");
-  TORCH_CHECK(!int4 || (rotation.dim() == 2 && rotation.size(0) == hd), "router_decode_attention: INT4 rotation");
-  const auto fs = full_slots.contiguous(), cs = comp_slots.contiguous();
-  const auto fo = full_offsets.contiguous(), co = comp_offsets.contiguous();
-  TORCH_CHECK(fo.numel() == B + 1 && co.numel() == B + 1, "router_decode_attention: offsets");
-  const int64_t* fsp_all = fs.data_ptr<int64_t>();
-  const int64_t* csp_all = cs.data_ptr<int64_t>();
-  const int64_t* fop = fo.data_ptr<int64_t>();
-  const int64_t* cop = co.data_ptr<int64_t>();
-  int64_t longest = 0, total = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = fop[b + 1] - fop[b] + cop[b + 1] - cop[b];
-    TORCH_CHECK(n > 0, "router_decode_attention: a query without keys");
-    longest = std::max(longest, n);
-    total += n;
-  }
-  const float* kb = k_cache.data_ptr<float>();
-  const float* vb = v_cache.data_ptr<float>();
-  const uint8_t* kc = reinterpret_cast<const uint8_t*>(k_codes.data_ptr());
-  const uint8_t* vc = reinterpret_cast<const uint8_t*>(v_codes.data_ptr());
-  const at::Half* ksp = k_scales.data_ptr<at::Half>();
-  const at::Half* vsp = v_scales.data_ptr<at::Half>();
-  const auto rot = int4 ? rotation.contiguous().to(at::kFloat) : rotation;
-  const float* R = int4 ? rot.data_ptr<float>() : nullptr;
-  auto out = at::empty({B, H, hd}, qc.options());
-  float* opb = out.data_ptr<float>();
-  const float* qpb = qc.data_ptr<float>();
-  const float* qrpb = qrc.data_ptr<float>();
+// The attention of router_decode_attention (below) over a cache of T rows.
+template <typename T>
+static void attend(const float* qpb, const float* qrpb, const T* kb, const T* vb, const int64_t* fsp_all,
+                   const int64_t* fop, const uint8_t* kc, const uint8_t* vc, const at::Half* ksp, const at::Half* vsp,
+                   const int64_t* csp_all, const int64_t* cop, const float* R, float* opb, int64_t B, int64_t H,
+                   int64_t hd, int64_t KVH, int64_t cd, bool int4, int64_t longest, int64_t total) {
+  const int64_t rep = H / KVH, row = KVH * hd, crow = KVH * cd;
   const float scale = 1.0f / std::sqrt((float)hd);
   const int64_t grain = total * H >= 4096 ? 1 : B * KVH;  // short contexts: one thread, no fork
   at::parallel_for(0, B * KVH, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(rep * longest), code(hd), oc(rep * hd);
+    std::vector<float> sc(rep * longest), code(hd), oc(rep * hd), wide(hd);
     for (int64_t bg = i0; bg < i1; ++bg) {
       const int64_t b = bg / KVH, g = bg % KVH;
       const int64_t* fsp = fsp_all + fop[b];
@@ -95,7 +54,7 @@ Tensor router_decode_attention(
       float* op = opb + b * H * hd;
       // scores: each key read (and decoded) once for the GQA group's heads
       for (int64_t t = 0; t < Sf; ++t) {
-        const float* kt = kb + fsp[t] * row + g * hd;
+        const float* kt = as_float(kb + fsp[t] * row + g * hd, hd, wide.data());
         for (int64_t r = 0; r < rep; ++r) sc[r * n + t] = dot(qp + (g * rep + r) * hd, kt, hd) * scale;
       }
       for (int64_t t = 0; t < Sc; ++t) {
@@ -105,11 +64,7 @@ Tensor router_decode_attention(
       }
       for (int64_t r = 0; r < rep; ++r) {  // each head's softmax over both pools, normalized in place
         float* s = sc.data() + r * n;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
-        const float inv = 1.f / sum;
+        const float inv = 1.f / o3attend::exp_shifted(s, n);
         for (int64_t t = 0; t < n; ++t) s[t] *= inv;
       }
       Vec acc[256 / W], acc_c[256 / W];
@@ -117,7 +72,7 @@ Tensor router_decode_attention(
         for (int64_t i = 0; i < hd / W; ++i) acc[i] = Vec(0.f);
         const float* s = sc.data() + r * n;
         for (int64_t t = 0; t < Sf; ++t) {
-          const float* vt = vb + fsp[t] * row + g * hd;
+          const float* vt = as_float(vb + fsp[t] * row + g * hd, hd, wide.data());
           const Vec p(s[t]);
           for (int64_t i = 0; i < hd / W; ++i) acc[i] = at::vec::fmadd(p, Vec::loadu(vt + i * W), acc[i]);
         }
@@ -151,6 +106,62 @@ Tensor router_decode_attention(
       }
     }
   });
+}
+
+// A step's decoding queries, one a sequence: q [B, H, hd] float32; qr: q in the compressed pool's basis (int4:
+// q @ R; int8: q); k_cache, v_cache [S, KVH, hd] float32, bfloat16 or float16 (one layer's); full_slots int64
+// [sum of Sf], sequence b's at [full_offsets[b], full_offsets[b + 1]); k_codes, v_codes [C, KVH, cd] int8 (INT8)
+// or uint8 (INT4); k_scales, v_scales [C, KVH] float16; comp_slots, comp_offsets alike; rotation [hd, hd] float32
+// (INT4) or empty. Returns the attention output in the model's basis, out [B, H, hd] float32.
+Tensor router_decode_attention(
+    const Tensor& q, const Tensor& qr, const Tensor& k_cache, const Tensor& v_cache, const Tensor& full_slots,
+    const Tensor& full_offsets, const Tensor& k_codes, const Tensor& v_codes, const Tensor& k_scales,
+    const Tensor& v_scales, const Tensor& comp_slots, const Tensor& comp_offsets, const Tensor& rotation) {
+  const auto dt = k_cache.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && v_cache.scalar_type() == dt &&
+              k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "router_decode_attention: a contiguous float32, bfloat16 or float16 cache");
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scales.is_contiguous() &&
+              v_scales.is_contiguous() && k_scales.scalar_type() == at::kHalf, "router_decode_attention: codes");
+  const auto qc = q.contiguous().to(at::kFloat), qrc = qr.contiguous().to(at::kFloat);
+  const int64_t B = qc.size(0), H = qc.size(1), hd = qc.size(2), KVH = k_cache.size(1);
+  const bool int4 = k_codes.scalar_type() == at::kByte;
+  const int64_t cd = k_codes.size(2);
+  TORCH_CHECK(hd % W == 0 && hd <= 256 && cd == (int4 ? hd / 2 : hd), "router_decode_attention: head_dim");
+  TORCH_CHECK(!int4 || (rotation.dim() == 2 && rotation.size(0) == hd), "router_decode_attention: INT4 rotation");
+  const auto fs = full_slots.contiguous(), cs = comp_slots.contiguous();
+  const auto fo = full_offsets.contiguous(), co = comp_offsets.contiguous();
+  TORCH_CHECK(fo.numel() == B + 1 && co.numel() == B + 1, "router_decode_attention: offsets");
+  const int64_t* fsp_all = fs.data_ptr<int64_t>();
+  const int64_t* csp_all = cs.data_ptr<int64_t>();
+  const int64_t* fop = fo.data_ptr<int64_t>();
+  const int64_t* cop = co.data_ptr<int64_t>();
+  int64_t longest = 0, total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = fop[b + 1] - fop[b] + cop[b + 1] - cop[b];
+    TORCH_CHECK(n > 0, "router_decode_attention: a query without keys");
+    longest = std::max(longest, n);
+    total += n;
+  }
+  const uint8_t* kc = reinterpret_cast<const uint8_t*>(k_codes.data_ptr());
+  const uint8_t* vc = reinterpret_cast<const uint8_t*>(v_codes.data_ptr());
+  const at::Half* ksp = k_scales.data_ptr<at::Half>();
+  const at::Half* vsp = v_scales.data_ptr<at::Half>();
+  const auto rot = int4 ? rotation.contiguous().to(at::kFloat) : rotation;
+  const float* R = int4 ? rot.data_ptr<float>() : nullptr;
+  auto out = at::empty({B, H, hd}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* qrp = qrc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (dt == at::kFloat)
+    attend(qp, qrp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), fsp_all, fop, kc, vc, ksp, vsp, csp_all,
+           cop, R, op, B, H, hd, KVH, cd, int4, longest, total);
+  else if (dt == at::kBFloat16)
+    attend(qp, qrp, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), fsp_all, fop, kc, vc, ksp,
+           vsp, csp_all, cop, R, op, B, H, hd, KVH, cd, int4, longest, total);
+  else
+    attend(qp, qrp, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), fsp_all, fop, kc, vc, ksp, vsp,
+           csp_all, cop, R, op, B, H, hd, KVH, cd, int4, longest, total);
   return out;
 }
 

@@ -809,11 +809,11 @@ class KVRouter:
 
 def native_decode(kv_cache: torch.Tensor) -> bool:
     """Whether decoding queries' attention over both pools runs o3edge's C++ (cpu_router.cpp, one call a layer for
-    a step's sequences): a float32 CPU cache whose head_dim the kernel's 16-float vectors tile (at most 256), where
-    o3edge's CPU kernels build (cpu_ext.available), unless O3EDGE_ROUTER_NATIVE=0."""
+    a step's sequences): a CPU cache in float32, bfloat16 or float16 whose head_dim the kernel's 16-float vectors
+    tile (at most 256), where o3edge's CPU kernels build (cpu_ext.available), unless O3EDGE_ROUTER_NATIVE=0."""
     head_dim = kv_cache.shape[-1]
-    if (kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32 or head_dim % 16 or head_dim > 256
-            or os.environ.get("O3EDGE_ROUTER_NATIVE") == "0"):
+    if (kv_cache.device.type != "cpu" or kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or head_dim % 16 or head_dim > 256 or os.environ.get("O3EDGE_ROUTER_NATIVE") == "0"):
         return False
     from o3edge.engine import cpu_ext
 

@@ -46,21 +46,23 @@ def test_vnni_int4_linear_matches_its_dequantized_weight(rows, k, group):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_span_attention_writes_and_attends_like_the_python_op(dtype):
-    """Three sequences at different positions in one pool: the same cache writes and outputs."""
+@pytest.mark.parametrize("dtype,pool", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                        (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
+def test_span_attention_writes_and_attends_like_the_python_op(dtype, pool):
+    """Three sequences at different positions in one pool (float32, or bfloat16 / float16 as an engine of that dtype
+    keeps it): the same cache writes, bit for bit, and the same outputs."""
     torch.manual_seed(0)
     L, S, KVH, H, hd = 2, 96, 2, 6, 64
-    kv = torch.randn(L, 2, S, KVH, hd)
+    kv = torch.randn(L, 2, S, KVH, hd).to(pool)
     q, k, v = (torch.randn(3, n, hd).to(dtype) for n in (H, KVH, KVH))
     positions = torch.tensor([0, 17, 40])
     slots = torch.tensor([3, 20 + 17, 50 + 40])
     ours, ref = kv.clone(), kv.clone()
     out = torch.ops.o3edge_cpu.span_attention(q, k, v, ours, 1, slots, positions)
-    expected = span_decode_attention(q.float(), k.float(), v.float(), ref, 1, slots, positions)
+    expected = span_decode_attention(*(t.to(pool) for t in (q, k, v)), ref, 1, slots, positions)
     assert torch.equal(ours, ref)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), expected, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
 
 
 def test_kernels_off_keeps_torchs_kernels(monkeypatch):

@@ -249,11 +249,14 @@ def check_prompt_chunk(chunk, device, dtype, atol, books_atol):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (6, 3, 128), (4, 4, 64)])
-def test_decoding_queries_over_both_pools_in_cpu_kernels_match_torch(mode, heads, kv_heads, head_dim, monkeypatch):
-    """On a float32 CPU cache a step's decoding queries attend over both pools in one C++ call a layer
-    (cpu_router.cpp): beside a prompt chunk (torch's operations), with blocks demoted, INT4's rotation and GQA groups,
-    and a sequence with nothing demoted, the output matches torch's operations' on the same cache
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(8, 2, 64, torch.float32), (6, 3, 128, torch.float32),
+                                                           (4, 4, 64, torch.float32), (8, 2, 64, torch.bfloat16),
+                                                           (6, 3, 128, torch.float16)])
+def test_decoding_queries_over_both_pools_in_cpu_kernels_match_torch(mode, heads, kv_heads, head_dim, dtype,
+                                                                     monkeypatch):
+    """On a CPU cache (float32, bfloat16 or float16) a step's decoding queries attend over both pools in one C++
+    call a layer (cpu_router.cpp): beside a prompt chunk (torch's operations), with blocks demoted, INT4's rotation
+    and GQA groups, and a sequence with nothing demoted, the output matches torch's operations' on the same cache
     (O3EDGE_ROUTER_NATIVE=0)."""
     from o3edge.engine import cpu_ext
 
@@ -261,7 +264,7 @@ def test_decoding_queries_over_both_pools_in_cpu_kernels_match_torch(mode, heads
         pytest.skip("o3edge's CPU kernels do not build here (AVX-512 VNNI or a compiler missing)")
     torch.manual_seed(8)
     L, bs = 2, 16
-    kv = torch.randn(L, 2, 25 * bs, kv_heads, head_dim)
+    kv = torch.randn(L, 2, 25 * bs, kv_heads, head_dim).to(dtype)
     outs = []
     for native in ("1", "0"):
         monkeypatch.setenv("O3EDGE_ROUTER_NATIVE", native)
@@ -287,10 +290,10 @@ def test_decoding_queries_over_both_pools_in_cpu_kernels_match_torch(mode, heads
 
 
 def test_a_head_dim_the_cpu_kernel_cannot_tile_stays_on_torch():
-    """head_dim 72 (not a multiple of the kernel's 16-float vectors) or a bfloat16 cache: the router attends by
-    torch's operations instead of refusing the step."""
+    """head_dim 72 (not a multiple of the kernel's 16-float vectors) or a cache type the kernel does not read
+    (float64): the router attends by torch's operations instead of refusing the step."""
     assert not KVRouter(RouterConfig("int8"), torch.zeros(1, 2, 4 * 8, 2, 72), 3, 8, 1).native
-    assert not KVRouter(RouterConfig("int8"), torch.zeros(1, 2, 4 * 8, 2, 64, dtype=torch.bfloat16), 3, 8, 1).native
+    assert not KVRouter(RouterConfig("int8"), torch.zeros(1, 2, 4 * 8, 2, 64, dtype=torch.float64), 3, 8, 1).native
 
 
 @pytest.mark.gpu

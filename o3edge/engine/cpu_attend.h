@@ -1,0 +1,54 @@
+// Decode attention's inner loops on the CPU, shared by span_attention (cpu_kernels.cpp) and the token router's
+// decode attention (cpu_router.cpp). ATen's 16-float vectors (at::vec), so a torch-built file's only: the
+// torch-free row kernels are in cpu_kernels.h.
+#pragma once
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace o3attend {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+// A cache row of hd values as float32: the row itself (float32), or widened into buf (bfloat16, float16).
+template <typename T>
+inline const float* as_float(const T* x, int64_t hd, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    for (int64_t d = 0; d < hd; ++d) buf[d] = static_cast<float>(x[d]);
+    return buf;
+  }
+}
+
+// sum of a[d] * b[d] over hd (a multiple of W) floats.
+inline float dot(const float* a, const float* b, int64_t hd) {
+  Vec acc = Vec::loadu(a) * Vec::loadu(b);
+  for (int64_t d = W; d < hd; d += W) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+}
+
+// s[0 .. n) -> exp(s - max), in place; returns their sum (the softmax's denominator).
+inline float exp_shifted(float* s, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+  const Vec vm(m);
+  Vec vsum(0.f);
+  int64_t t = 0;
+  for (; t + W <= n; t += W) {
+    Vec e = (Vec::loadu(s + t) - vm).exp_u20();
+    e.store(s + t);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+}  // namespace o3attend
