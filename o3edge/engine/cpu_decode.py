@@ -81,7 +81,13 @@ class CpuDecode:
 
 def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans) -> torch.Tensor:
     """q: [B, H, hd], one new token per sequence; keys of sequence b are cache slots spans[b] (start, end),
-    or the slots in a LongTensor (scattered blocks: gathered into the same layout) -> [B, H, hd]."""
+    or the slots in a LongTensor (scattered blocks: gathered into the same layout) -> [B, H, hd].
+
+    A bfloat16 or float16 query and cache attend in float32, the result rounded back: torch's CPU attention of one
+    query in those types is several times slower than in float32 with the conversions (tools/bench_cpu_attention.py;
+    docs/benchmarks.md, "Token router on a bfloat16 CPU engine")."""
+    dtype = q.dtype
+    widen = q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
     outs = []
     for b, span in enumerate(spans):
         if isinstance(span, tuple):
@@ -90,8 +96,11 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             k, v = k_cache.index_select(0, span), v_cache.index_select(0, span)
         k = k.transpose(0, 1)[None]  # [1, KVH, S, hd]
         v = v.transpose(0, 1)[None]
-        out = torch.nn.functional.scaled_dot_product_attention(q[b, None, :, None], k, v, enable_gqa=True)
-        outs.append(out.view(1, *q.shape[1:]))  # [1, H, hd]
+        qb = q[b, None, :, None]
+        if widen:
+            qb, k, v = qb.float(), k.float(), v.float()
+        out = torch.nn.functional.scaled_dot_product_attention(qb, k, v, enable_gqa=True)
+        outs.append(out.view(1, *q.shape[1:]).to(dtype))  # [1, H, hd]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -214,6 +214,28 @@ def test_scattered_blocks_give_the_logits_of_consecutive_ones(checkpoints):
     assert torch.equal(first, again)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_decode_query_attends_in_float32(dtype):
+    """cpu_decode.span_attention on a bfloat16 / float16 cache: each sequence (a cache view and a scattered
+    gather) attends in float32 over the cache's own values, the output rounded back to the cache's type (torch's
+    CPU attention of one query in these types is ~7-12x slower: tools/bench_cpu_attention.py)."""
+    from o3edge.engine.cpu_decode import span_attention
+
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(40, 2, 64, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(2, 8, 64, generator=g).to(dtype)
+    spans = [(5, 30), torch.tensor([1, 7, 8, 33, 39])]
+    out = span_attention(q, k_cache, v_cache, spans)
+    assert out.dtype == dtype and out.shape == (2, 8, 64)
+    for b, span in enumerate(spans):
+        idx = torch.arange(*span) if isinstance(span, tuple) else span
+        k, v = k_cache[idx].float(), v_cache[idx].float()  # [S, 2, 64]
+        qg = q[b].float().view(2, 4, 64)  # GQA: 4 heads a KV head
+        p = torch.softmax(torch.einsum("ghd,sgd->ghs", qg, k) / 8.0, -1)
+        want = torch.einsum("ghs,sgd->ghd", p, v).reshape(8, 64).to(dtype)
+        torch.testing.assert_close(out[b], want, atol=1e-2, rtol=0)
+
+
 def test_contiguous_start_and_lazy_zeros():
     from o3edge.engine.cpu_decode import contiguous_start, lazy_zeros
 
