@@ -175,7 +175,7 @@ def test_scattered_blocks_give_the_logits_of_consecutive_ones(checkpoints):
     """A sequence whose blocks are scattered over the pool (a prefix-cache hit, a pool that wrapped around)
     decodes through the spans too, its slots gathered: the same prompt gives bit-identical logits wherever
     its blocks lie (the generic path rounds differently)."""
-    from o3edge.engine.cpu_decode import CpuDecode, contiguous_start
+    from o3edge.engine.cpu_decode import contiguous_start
     from o3edge.engine.sequence import Sequence
 
     engine = O3Model.from_config(O3Config(model_path=checkpoints("llama-tied"), device="cpu", dtype="float32",
