@@ -4,7 +4,8 @@ ZMTP greeting, and hold them open until stdin closes (or a hold time passes).
     python tests/reliability/junk.py SOCKET_PATH N [--hold S] [--payload HEX]
 
 Prints one JSON line when done connecting: {"connected": n, "refused": m, "closed_by_peer": k}.
-A connection the daemon has already closed is counted as closed_by_peer (read returns EOF).
+A connection the daemon closes within PATIENCE_S of the last connect is counted as closed_by_peer (read returns
+EOF).
 """
 
 import argparse
@@ -15,6 +16,9 @@ import select
 import socket
 import sys
 import time
+
+
+PATIENCE_S = 5.0  # how long after its last connection a helper waits for the daemon to close them
 
 
 def connect(path: str, patience_s: float = 5.0) -> socket.socket | None:
@@ -57,17 +61,25 @@ def main() -> int:
         except OSError:  # closed by the daemon already
             pass
         socks.append(s)
-    time.sleep(1.0)
-    closed = 0
+    closed, still_open = 0, socks
     for s in socks:
         s.setblocking(False)
-        try:
-            if s.recv(4096) == b"":
+    end = time.monotonic() + PATIENCE_S  # the daemon's closes counted as they come, for at most PATIENCE_S
+    while still_open and time.monotonic() < end:
+        time.sleep(0.1)
+        left = []
+        for s in still_open:
+            try:
+                if s.recv(4096) == b"":
+                    closed += 1
+                    continue
+            except BlockingIOError:
+                pass
+            except OSError:
                 closed += 1
-        except BlockingIOError:
-            pass
-        except OSError:
-            closed += 1
+                continue
+            left.append(s)
+        still_open = left
     print(json.dumps({"connected": len(socks), "refused": refused, "closed_by_peer": closed}), flush=True)
     if args.hold is not None:
         time.sleep(args.hold)

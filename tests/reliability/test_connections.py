@@ -74,8 +74,8 @@ def test_20000_junk_connections_leave_the_daemon_serving(rel_daemon, figures):
         reports = [json.loads(line) for line in reports.values()]
         connected = sum(r["connected"] for r in reports)
         assert connected == NUM_JUNK
-        # the daemon closed the junk connections itself: nearly all within the helper's one-second look
-        # (a loaded machine leaves a few for later); the fd count below checks that all of them went
+        # the daemon closed the junk connections itself: nearly all within the helper's five-second look
+        # (one second was too short on a loaded 2-core machine: 98.6% once); the fd count below checks that all went
         assert sum(r["closed_by_peer"] for r in reports) >= NUM_JUNK * 0.99
         assert client.generate("The json module", max_tokens=4).completion_tokens == 4
     assert wait_for(lambda: num_fds(pid) <= baseline_fds + 4, 10.0), (baseline_fds, num_fds(pid))
