@@ -2,6 +2,7 @@
 // decode attention (cpu_router.cpp). ATen's 16-float vectors (at::vec), so a torch-built file's only: the
 // torch-free row kernels are in cpu_kernels.h.
 #pragma once
+#include <ATen/ATen.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <cmath>
@@ -21,6 +22,18 @@ inline const float* as_float(const T* x, int64_t hd, float* buf) {
   } else {
     for (int64_t d = 0; d < hd; ++d) buf[d] = static_cast<float>(x[d]);
     return buf;
+  }
+}
+
+// f(T{}) with T the element type of a float32, bfloat16 or float16 cache (float, at::BFloat16, at::Half); other
+// types are refused, naming `who`.
+template <typename F>
+inline void with_cache_type(const at::Tensor& cache, const char* who, F&& f) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, who, ": a float32, bfloat16 or float16 cache, got ", cache.scalar_type());
   }
 }
 

@@ -126,13 +126,11 @@ def rope_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def native_attention(kv_cache: torch.Tensor) -> bool:
-    """Whether the decode step's attention can run o3edge's C++ span attention (a contiguous float32, bfloat16 or
-    float16 pool, head_dim a multiple of 16 up to 256)."""
+    """Whether the decode step's attention can run o3edge's C++ span attention: a contiguous pool it reads
+    (cpu_ext.reads_cache)."""
     from o3edge.engine import cpu_ext
 
-    head_dim = kv_cache.shape[-1]
-    return (kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_cache.is_contiguous()
-            and head_dim % 16 == 0 and head_dim <= 256 and cpu_ext.available())
+    return kv_cache.is_contiguous() and cpu_ext.reads_cache(kv_cache)
 
 
 @torch.inference_mode()

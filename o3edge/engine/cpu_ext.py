@@ -47,6 +47,15 @@ def build_dir() -> Path:
     return user_cache_dir() / "cpu_ext" / key.hexdigest()[:16]
 
 
+def reads_cache(kv_cache: torch.Tensor) -> bool:
+    """Whether o3edge's C++ decode attention (cpu_attend.h: span_attention, router_decode_attention) reads this
+    cache: a CPU tensor of float32, bfloat16 or float16 whose head_dim its 16-float vectors tile (at most 256),
+    where the kernels build."""
+    head_dim = kv_cache.shape[-1]
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and head_dim % 16 == 0 and head_dim <= 256 and available())
+
+
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False where they cannot run here."""

@@ -70,19 +70,14 @@ static Tensor span_attend(const Tensor& qc, const Tensor& kc, const Tensor& vc, 
 // kv_cache: [L, 2, S, KVH, hd] float32, bfloat16 or float16, contiguous.
 Tensor span_attention(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& kv_cache, int64_t layer,
                       const Tensor& slots, const Tensor& positions) {
-  const auto dt = kv_cache.scalar_type();
-  TORCH_CHECK(kv_cache.is_contiguous() && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf),
-              "kv_cache: contiguous float32, bfloat16 or float16");
+  TORCH_CHECK(kv_cache.is_contiguous(), "span_attention: a contiguous kv_cache");
   auto qc = q.contiguous().to(at::kFloat), kc = k.contiguous().to(at::kFloat), vc = v.contiguous().to(at::kFloat);
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* ps = positions.data_ptr<int64_t>();
   Tensor out;
-  if (dt == at::kFloat)
-    out = span_attend<float>(qc, kc, vc, kv_cache, layer, sl, ps);
-  else if (dt == at::kBFloat16)
-    out = span_attend<at::BFloat16>(qc, kc, vc, kv_cache, layer, sl, ps);
-  else
-    out = span_attend<at::Half>(qc, kc, vc, kv_cache, layer, sl, ps);
+  o3attend::with_cache_type(kv_cache, "span_attention", [&](auto t) {
+    out = span_attend<decltype(t)>(qc, kc, vc, kv_cache, layer, sl, ps);
+  });
   return out.to(q.scalar_type());
 }
 

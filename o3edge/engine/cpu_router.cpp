@@ -117,10 +117,8 @@ Tensor router_decode_attention(
     const Tensor& q, const Tensor& qr, const Tensor& k_cache, const Tensor& v_cache, const Tensor& full_slots,
     const Tensor& full_offsets, const Tensor& k_codes, const Tensor& v_codes, const Tensor& k_scales,
     const Tensor& v_scales, const Tensor& comp_slots, const Tensor& comp_offsets, const Tensor& rotation) {
-  const auto dt = k_cache.scalar_type();
-  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && v_cache.scalar_type() == dt &&
-              k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "router_decode_attention: a contiguous float32, bfloat16 or float16 cache");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "router_decode_attention: contiguous keys and values of one type");
   TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scales.is_contiguous() &&
               v_scales.is_contiguous() && k_scales.scalar_type() == at::kHalf, "router_decode_attention: codes");
   const auto qc = q.contiguous().to(at::kFloat), qrc = qr.contiguous().to(at::kFloat);
@@ -153,15 +151,11 @@ Tensor router_decode_attention(
   const float* qp = qc.data_ptr<float>();
   const float* qrp = qrc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  if (dt == at::kFloat)
-    attend(qp, qrp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), fsp_all, fop, kc, vc, ksp, vsp, csp_all,
-           cop, R, op, B, H, hd, KVH, cd, int4, longest, total);
-  else if (dt == at::kBFloat16)
-    attend(qp, qrp, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), fsp_all, fop, kc, vc, ksp,
-           vsp, csp_all, cop, R, op, B, H, hd, KVH, cd, int4, longest, total);
-  else
-    attend(qp, qrp, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), fsp_all, fop, kc, vc, ksp, vsp,
-           csp_all, cop, R, op, B, H, hd, KVH, cd, int4, longest, total);
+  o3attend::with_cache_type(k_cache, "router_decode_attention", [&](auto t) {
+    using T = decltype(t);
+    attend(qp, qrp, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), fsp_all, fop, kc, vc, ksp, vsp, csp_all, cop, R,
+           op, B, H, hd, KVH, cd, int4, longest, total);
+  });
   return out;
 }
 

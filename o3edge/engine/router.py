@@ -351,8 +351,8 @@ class KVRouter:
         # interpreter (router_graph.py turns it on)
         self.move_kernel = self.device.type == "cuda" and os.environ.get("O3EDGE_ROUTER_MOVE_KERNEL") != "0"
         self.stage = None  # the kernel's ids go to the device through it (kv_quantize.PinnedStage), on CUDA
-        # a step's CPU decoding queries over both pools in one C++ call a layer (cpu_router.cpp) where o3edge's
-        # CPU kernels build and the cache is float32 (O3EDGE_ROUTER_NATIVE=0: torch operations, to measure against)
+        # a step's CPU decoding queries over both pools in one C++ call a layer (cpu_router.cpp) where that C++
+        # reads the cache (native_decode; O3EDGE_ROUTER_NATIVE=0: torch operations, to measure against)
         self.native = native_decode(kv_cache)
         self.full_bytes_per_token = full_bytes_per_token
         self.comp_bytes_per_token = L * 2 * kv_heads * bytes_per_vector(cfg.mode, head_dim)
@@ -809,15 +809,12 @@ class KVRouter:
 
 def native_decode(kv_cache: torch.Tensor) -> bool:
     """Whether decoding queries' attention over both pools runs o3edge's C++ (cpu_router.cpp, one call a layer for
-    a step's sequences): a CPU cache in float32, bfloat16 or float16 whose head_dim the kernel's 16-float vectors
-    tile (at most 256), where o3edge's CPU kernels build (cpu_ext.available), unless O3EDGE_ROUTER_NATIVE=0."""
-    head_dim = kv_cache.shape[-1]
-    if (kv_cache.device.type != "cpu" or kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-            or head_dim % 16 or head_dim > 256 or os.environ.get("O3EDGE_ROUTER_NATIVE") == "0"):
+    a step's sequences): a cache that C++ reads (cpu_ext.reads_cache), unless O3EDGE_ROUTER_NATIVE=0."""
+    if os.environ.get("O3EDGE_ROUTER_NATIVE") == "0":
         return False
     from o3edge.engine import cpu_ext
 
-    return cpu_ext.available()
+    return cpu_ext.reads_cache(kv_cache)
 
 
 def _causal(s: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
