@@ -18,6 +18,7 @@ O3EDGE_CPU_KERNELS=torch, `available()` is False and the engines keep torch's ke
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -68,9 +69,15 @@ def available() -> bool:
 
         path = build_dir()
         path.mkdir(parents=True, exist_ok=True)
-        load(name="o3edge_cpu_" + path.name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"],
-             build_directory=str(path), extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
-             verbose=False)
+        with open(path / "build.lock", "w") as guard:
+            # o3edge's processes build one at a time under a lock the kernel drops when its holder dies; torch's own
+            # lock file, which a process killed mid-build leaves behind (every later load then waited on it for
+            # ever), is only ever a dead builder's here and is removed
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (path / "lock").unlink(missing_ok=True)
+            load(name="o3edge_cpu_" + path.name, sources=[str(p) for p in SOURCES if p.suffix == ".cpp"],
+                 build_directory=str(path), extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
+                 verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: torch's kernels still work
         log.warning("o3edge CPU kernels unavailable (%s); using torch's kernels", str(exc).splitlines()[0][:200])
         return False

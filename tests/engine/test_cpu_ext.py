@@ -65,6 +65,23 @@ def test_span_attention_writes_and_attends_like_the_python_op(dtype, pool):
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
 
 
+@needs_kernels
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start():
+    """A process killed while it built the kernels leaves torch's lock file in the build directory; the next
+    process (a real one, on the same cache) still loads them instead of waiting on that file for ever."""
+    import subprocess
+    import sys
+
+    lock = cpu_ext.build_dir() / "lock"
+    lock.touch()  # what a builder killed mid-build leaves
+    try:
+        out = subprocess.run([sys.executable, "-c", "from o3edge.engine import cpu_ext; print(cpu_ext.available())"],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+
+
 def test_kernels_off_keeps_torchs_kernels(monkeypatch):
     """O3EDGE_CPU_KERNELS=torch (or a CPU without VNNI): INT8 layers take fbgemm, INT4 layers int4pack."""
     monkeypatch.setenv("O3EDGE_CPU_KERNELS", "torch")
