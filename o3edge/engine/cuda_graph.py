@@ -155,6 +155,10 @@ class DecodeGraphs:
         self.last = torch.zeros(B, dtype=torch.long, device=dev)
         self.tokens_hosts = [torch.zeros(B, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        # the device's index, for the stream a step's event is recorded on: torch's Event.record() without a stream
+        # looks the current device up through ~10 Python calls (is_available, an environment read...), a few per
+        # cent of a small model's host step on the H200's host (py-spy, docs/benchmarks.md)
+        self.device_index = (dev.index if dev.index is not None else torch.cuda.current_device()) if pinned else None
         self.ahead: list[tuple[int, int, int]] | None = None  # (seq_id, position, token) of the queued step
         self.memo: dict[int, tuple] = {}  # seq_id -> (its table entries, what fill_meta made of them: cached)
         self.num_steps = self.num_ahead_taken = 0
@@ -238,7 +242,7 @@ class DecodeGraphs:
             key = (B, parity, self._fill_sampling(parity, batch, B))
         logits, _ = self._step(key)
         if self.copied[parity] is not None:
-            self.copied[parity].record()
+            self.copied[parity].record(torch.cuda.current_stream(self.device_index))
         return logits, parity
 
     def _step(self, key: tuple[int, int]):
