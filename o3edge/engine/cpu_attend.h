@@ -1,6 +1,7 @@
-// Decode attention's inner loops on the CPU, shared by span_attention (cpu_kernels.cpp) and the token router's
-// decode attention (cpu_router.cpp). ATen's 16-float vectors (at::vec), so a torch-built file's only: the
-// torch-free row kernels are in cpu_kernels.h.
+// Decode attention's inner loops on the CPU, shared by span_attention (cpu_span.cpp) and the token router's
+// decode attention (cpu_router.cpp). ATen's vectors (at::vec: 16 floats with AVX-512, 8 with AVX2, as the
+// attention library is built: cpu_ext.py), so a torch-built file's only: the torch-free row kernels are in
+// cpu_kernels.h.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/functional.h>

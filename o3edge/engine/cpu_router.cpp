@@ -2,7 +2,7 @@
 // sequence's decoding query over its full-precision keys (cache rows in float32, bfloat16 or float16, scattered
 // slots; other than float32, each row is widened to float32 once for its GQA group's heads) and its
 // compressed ones (codes with one float16 scale per token and KV head: INT8, or INT4 in a Hadamard-rotated
-// basis), one softmax over both; a step's sequences in one call a layer. Built with cpu_kernels.cpp (cpu_ext.py).
+// basis), one softmax over both; a step's sequences in one call a layer. Built with cpu_span.cpp (cpu_ext.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>

@@ -1,5 +1,6 @@
 """o3edge's own CPU kernels (cpu_ext.py): the VNNI INT8/INT4 linears against their dequantized weights, the
-C++ span attention against the Python one, and the fallback to torch's kernels."""
+C++ span attention against the Python one (also as built for an AVX2-only CPU), and the fallback to torch's
+kernels."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from o3edge.engine.cpu_quant import Int8Linear, dequantize_int8, quantize_int8
 from o3edge.engine.quant import Int4Linear, dequantize_int4, quantize_int4
 
 needs_kernels = pytest.mark.skipif(not cpu_ext.available(), reason="this CPU lacks AVX-512 VNNI (or no g++/ninja)")
+needs_attention = pytest.mark.skipif(not cpu_ext.attention_available(), reason="this CPU lacks AVX2 (or no g++/ninja)")
 
 
 @needs_kernels
@@ -45,7 +47,7 @@ def test_vnni_int4_linear_matches_its_dequantized_weight(rows, k, group):
     assert (out - ref).norm() / ref.norm() < 1.5e-2
 
 
-@needs_kernels
+@needs_attention
 @pytest.mark.parametrize("dtype,pool", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                         (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
 def test_span_attention_writes_and_attends_like_the_python_op(dtype, pool):
@@ -106,3 +108,27 @@ def test_layers_the_kernel_cannot_take_fall_back():
 def test_loading_twice_in_one_process_is_harmless():
     cpu_ext.available.cache_clear()
     assert cpu_ext.available() and cpu_ext.available()
+
+
+@pytest.mark.skipif(not cpu_ext.ISA_NEEDS["avx2"] <= cpu_ext.cpu_flags() or cpu_ext.attention_isa() is None,
+                    reason="this CPU lacks AVX2 and FMA (or the C++ attention is switched off)")
+def test_the_attention_built_for_an_avx2_cpu_attends_like_torch():
+    """O3EDGE_CPU_ATTN_ISA=avx2 (a real process): the decode attention built for Haswell's instructions, as an
+    AVX2-only machine builds it (8-float vectors), passes the span attention's and the router's C++ tests against
+    torch's operations, none of them skipped."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, O3EDGE_CPU_ATTN_ISA="avx2")
+    check = subprocess.run([sys.executable, "-c", "from o3edge.engine import cpu_ext; "
+                            "print(cpu_ext.attention_isa(), cpu_ext.attention_available())"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert check.stdout.split() == ["avx2", "True"], check.stderr[-2000:]
+    tests = ["tests/engine/test_cpu_ext.py::test_span_attention_writes_and_attends_like_the_python_op",
+             "tests/engine/test_router.py::test_decoding_queries_over_both_pools_in_cpu_kernels_match_torch"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
+                         capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "14 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-1000:]
