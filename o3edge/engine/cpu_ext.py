@@ -71,6 +71,9 @@ def attention_isa() -> str | None:
     for isa in ("avx512", "avx2") if forced == "auto" else (forced,):
         if isa in ISA_NEEDS and ISA_NEEDS[isa] <= have:
             return isa
+    if forced != "auto":
+        log.warning("O3EDGE_CPU_ATTN_ISA=%s: not one of avx512, avx2, off, or this CPU lacks it; torch's operations",
+                    forced)
     return None
 
 

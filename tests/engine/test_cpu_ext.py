@@ -132,3 +132,13 @@ def test_the_attention_built_for_an_avx2_cpu_attends_like_torch():
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert run.returncode == 0, run.stdout[-3000:]
     assert "14 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-1000:]
+
+
+@pytest.mark.parametrize("value", ["off", "sse9", "avx1024"])
+def test_an_attention_width_switched_off_or_unknown_keeps_torchs_operations(value, monkeypatch, caplog):
+    """O3EDGE_CPU_ATTN_ISA=off, or a width o3edge does not build (or this CPU lacks): no library is built for it, the
+    engines keep torch's operations, and an unknown value is named in a warning."""
+    monkeypatch.setenv("O3EDGE_CPU_ATTN_ISA", value)
+    with caplog.at_level("WARNING", logger="o3edge.engine.cpu_ext"):
+        assert cpu_ext.attention_isa() is None
+    assert (value in caplog.text) == (value != "off")
