@@ -10,7 +10,10 @@ demoter is a real KVRouter over a KV cache of the model's shape, plans --demotio
 sequences, and times carrying them out and flushing their data, --repeat times; on CUDA the device is
 synchronized after each flush, and `flush host` is the time the call took before that (what the step's
 host waits for), `flush total` the time until the device was done. `--torch-moves` flushes by torch
-operations instead of the kernel (kernels/kv_quantize.py), to measure against.
+operations instead of the kernel (kernels/kv_quantize.py), to measure against. `--profile` adds the flush's host operations
+under torch.profiler, then on CUDA its kernel path's parts with the device idle before each, and the same parts
+in place as a flush takes them after the books (the flush's host time on the H200's host was 0.83 ms against 0.14
+for the parts: docs/benchmarks.md).
 
   python tools/bench_demotions.py [--device cuda] [--mode int8] [--batch 16] [--context 3840]
                                   [--demotions 170] [--layers 8 --kv-heads 2 --head-dim 64] [--repeat 50]
@@ -19,6 +22,7 @@ operations instead of the kernel (kernels/kv_quantize.py), to measure against.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -102,6 +106,31 @@ def kernel_parts(router: KVRouter, a) -> dict:
     return {k: round(statistics.median(v), 4) for k, v in parts.items()}
 
 
+def flush_steps(router: KVRouter, moves: list) -> dict:
+    """Host ms of each step of one flush by the kernel as KVRouter._quantize_moves takes them, timed in place with no
+    sync between them (kernel_parts times the same calls with the device idle before each): the moves as an
+    array, the ids through the pinned stage, the kernel's launch (its scratch made), the two index copies."""
+    import numpy as np
+
+    from o3edge.engine.kernels.kv_quantize import quantize_blocks
+
+    bs, t = router.block_size, [time.perf_counter()]
+    with torch.inference_mode():
+        arr = np.array(moves, dtype=np.int64)
+        t.append(time.perf_counter())
+        n = len(arr)
+        ids = np.concatenate([arr[:, 0], (arr[:, 1, None] * bs + np.arange(bs)).reshape(-1)])
+        ids = router.stage.to_device(ids) if router.stage is not None else torch.from_numpy(ids).to(router.device)
+        t.append(time.perf_counter())
+        c, s = quantize_blocks(router.kv_cache, ids[:n], bs, router.cfg.mode, router.rotation)
+        t.append(time.perf_counter())
+        router.codes.index_copy_(2, ids[n:], c)
+        router.scales.index_copy_(2, ids[n:], s)
+        t.append(time.perf_counter())
+    names = ("moves as an array", "ids to device", "kernel launch", "index copies")
+    return {k: (b - a) * 1e3 for k, a, b in zip(names, t, t[1:])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -154,6 +183,19 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
         if router.move_kernel:  # the kernel path's parts, host time of each, --repeat times
             print(json.dumps({"kernel path parts, median host ms": kernel_parts(router, a)}))
+            steps = collections.defaultdict(list)  # the same parts in place, as a flush after the books takes them
+            for _ in range(a.repeat):
+                books, router, seqs, plans = setup(a, rng, router)
+                router.plans = plans
+                for seq in seqs:
+                    books.carry_out(seq)
+                if cuda:
+                    torch.cuda.synchronize()
+                moves, router.moves = router.moves, []
+                for key, ms in flush_steps(router, moves).items():
+                    steps[key].append(ms)
+            print(json.dumps({"a flush's steps in place, median host ms": {k: round(statistics.median(v), 4)
+                                                                             for k, v in steps.items()}}))
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "mode": a.mode, "flush": flush,
               "batch": a.batch, "context": a.context, "demotions": a.demotions, "repeat": a.repeat,
               "shape": [a.layers, a.kv_heads, a.head_dim, a.dtype],
