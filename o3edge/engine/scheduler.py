@@ -118,13 +118,24 @@ class Scheduler:
         return list(batch.items())
 
     def _continue(self, seqs: list[Sequence], batch: dict, limit: int) -> None:
-        """Give running sequences their next tokens while the budget (up to `limit` in all) lasts."""
+        """Give running sequences their next tokens while the budget (up to `limit` in all) lasts. Linear in the
+        sequences: the tokens given are counted as they go (summed again only after a preemption, which may take
+        a victim's out of the batch), and a sequence preempted meanwhile is known by its status, not found in
+        the running list (both were a pass over the batch for every sequence)."""
         limit = min(limit, self.token_budget)
+        used = sum(batch.values())
         for seq in seqs:
-            if limit - sum(batch.values()) <= 0:
+            if limit - used <= 0:
                 break
-            if seq in self.running and seq not in batch and self._make_room(seq, batch):
-                batch[seq] = min(seq.num_uncomputed, limit - sum(batch.values()))
+            if seq.status is not SequenceStatus.RUNNING or seq in batch:
+                continue
+            preempted = self.num_preemptions
+            room = self._make_room(seq, batch)
+            if self.num_preemptions != preempted:
+                used = sum(batch.values())
+            if room:
+                batch[seq] = n = min(seq.num_uncomputed, limit - used)
+                used += n
 
     def _expire(self, now: float) -> None:
         """Finish sequences past their deadline; count queue waits past the class budget."""
