@@ -8,3 +8,4 @@ for v in after before after before; do
   done
   [ $v = before ] && git stash pop -q
 done
+# py-spy record -r 3000 -f raw -o spy.txt -- python tools/bench_host_step.py --setting off --batch 32 --repeat 3 --steps 256; grep 'bench_host_step.py:89)' spy.txt | gzip > spy-b32-after.txt.gz  (the decode loop's stacks only)
