@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -43,6 +44,40 @@ inline float dot(const float* a, const float* b, int64_t hd) {
   Vec acc = Vec::loadu(a) * Vec::loadu(b);
   for (int64_t d = W; d < hd; d += W) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+}
+
+// The GQA group's weighted values: out[r * hd + d] = scale[r] * sum over t < count of p[r * n + t] * row(t)[d], for
+// r < rep heads, where row(t) points at hd values of T (scale nullptr: 1). A float32 row is read in place, each
+// head's sum held in registers; a bfloat16 or float16 row is widened into wide once for all the group's heads (not
+// once a head), the sums kept in out. Either way each head sums its rows in order t = 0, 1, ...
+template <typename T, typename Row>
+inline void weigh_values(const float* p, int64_t n, int64_t count, int64_t rep, int64_t hd, Row row,
+                         const float* scale, float* out, float* wide) {
+  if constexpr (std::is_same_v<T, float>) {
+    Vec acc[256 / W];
+    for (int64_t r = 0; r < rep; ++r) {
+      for (int64_t i = 0; i < hd / W; ++i) acc[i] = Vec(0.f);
+      for (int64_t t = 0; t < count; ++t) {
+        const float* vt = row(t);
+        const Vec pt(p[r * n + t]);
+        for (int64_t i = 0; i < hd / W; ++i) acc[i] = at::vec::fmadd(pt, Vec::loadu(vt + i * W), acc[i]);
+      }
+      const Vec sc(scale ? scale[r] : 1.f);
+      for (int64_t i = 0; i < hd / W; ++i) (acc[i] * sc).store(out + r * hd + i * W);
+    }
+  } else {
+    std::fill(out, out + rep * hd, 0.f);
+    for (int64_t t = 0; t < count; ++t) {
+      const float* vt = as_float(row(t), hd, wide);
+      for (int64_t r = 0; r < rep; ++r) {
+        const Vec pt(p[r * n + t]);
+        float* o = out + r * hd;
+        for (int64_t i = 0; i < hd / W; ++i) at::vec::fmadd(pt, Vec::loadu(vt + i * W), Vec::loadu(o + i * W)).store(o + i * W);
+      }
+    }
+    for (int64_t r = 0; r < rep && scale; ++r)
+      for (int64_t i = 0; i < hd / W; ++i) (Vec::loadu(out + r * hd + i * W) * Vec(scale[r])).store(out + r * hd + i * W);
+  }
 }
 
 // s[0 .. n) -> exp(s - max), in place; returns their sum (the softmax's denominator).

@@ -67,17 +67,10 @@ static void attend(const float* qpb, const float* qrpb, const T* kb, const T* vb
         const float inv = 1.f / o3attend::exp_shifted(s, n);
         for (int64_t t = 0; t < n; ++t) s[t] *= inv;
       }
-      Vec acc[256 / W], acc_c[256 / W];
-      for (int64_t r = 0; r < rep; ++r) {  // full-precision values
-        for (int64_t i = 0; i < hd / W; ++i) acc[i] = Vec(0.f);
-        const float* s = sc.data() + r * n;
-        for (int64_t t = 0; t < Sf; ++t) {
-          const float* vt = as_float(vb + fsp[t] * row + g * hd, hd, wide.data());
-          const Vec p(s[t]);
-          for (int64_t i = 0; i < hd / W; ++i) acc[i] = at::vec::fmadd(p, Vec::loadu(vt + i * W), acc[i]);
-        }
-        for (int64_t i = 0; i < hd / W; ++i) acc[i].store(op + (g * rep + r) * hd + i * W);
-      }
+      // full-precision values (the probabilities are normalized already)
+      o3attend::weigh_values<T>(sc.data(), n, Sf, rep, hd, [&](int64_t t) { return vb + fsp[t] * row + g * hd; },
+                                nullptr, op + g * rep * hd, wide.data());
+      Vec acc_c[256 / W];
       std::fill(oc.begin(), oc.end(), 0.f);
       for (int64_t t = 0; t < Sc; ++t) {  // compressed values: decoded once for the group's heads
         decode_codes(vc + csp[t] * crow + g * cd, int4, hd, code.data());

@@ -41,7 +41,7 @@ static Tensor span_attend(const Tensor& qc, const Tensor& kc, const Tensor& vc, 
   const int64_t grain = maxlen * B * H >= 4096 ? 1 : B * KVH;  // short contexts: one thread, no fork
   TORCH_CHECK(hd % W == 0 && hd <= 256, "head_dim must be a multiple of ", W, " and <= 256");
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> sc(rep * maxlen + W), wide(hd);
+    std::vector<float> sc(rep * maxlen + W), wide(hd), inv(rep);
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / KVH, g = bg % KVH, n = ps[b] + 1, start = sl[b] - ps[b];
       const float* qh = qp + (b * H + g * rep) * hd;
@@ -49,19 +49,9 @@ static Tensor span_attend(const Tensor& qc, const Tensor& kc, const Tensor& vc, 
         const float* kt = o3attend::as_float(kbase + (start + t) * row + g * hd, hd, wide.data());
         for (int64_t r = 0; r < rep; ++r) sc[r * n + t] = o3attend::dot(qh + r * hd, kt, hd) * scale;
       }
-      for (int64_t r = 0; r < rep; ++r) {
-        float* s = sc.data() + r * n;
-        const float inv = 1.f / o3attend::exp_shifted(s, n);
-        Vec acc[256 / W];
-        for (int64_t i = 0; i < hd / W; ++i) acc[i] = Vec(0.f);
-        for (int64_t t2 = 0; t2 < n; ++t2) {
-          const float* vt = o3attend::as_float(vbase + (start + t2) * row + g * hd, hd, wide.data());
-          const Vec p(s[t2]);
-          for (int64_t i = 0; i < hd / W; ++i) acc[i] = at::vec::fmadd(p, Vec::loadu(vt + i * W), acc[i]);
-        }
-        float* o = op + (b * H + g * rep + r) * hd;
-        for (int64_t i = 0; i < hd / W; ++i) (acc[i] * Vec(inv)).store(o + i * W);
-      }
+      for (int64_t r = 0; r < rep; ++r) inv[r] = 1.f / o3attend::exp_shifted(sc.data() + r * n, n);
+      o3attend::weigh_values<T>(sc.data(), n, n, rep, hd, [&](int64_t t) { return vbase + (start + t) * row + g * hd; },
+                                inv.data(), op + (b * H + g * rep) * hd, wide.data());
     }
   });
   return out;
