@@ -45,7 +45,8 @@ SOURCES = [SOURCE, SOURCE.with_name("cpu_step.cpp"), SOURCE.with_name("cpu_core.
 ATTENTION_SOURCES = [SOURCE.with_name("cpu_span.cpp"), SOURCE.with_name("cpu_router.cpp"),
                      SOURCE.with_name("cpu_attend.h")]
 # ATen's vectors take their width from CPU_CAPABILITY_*; the row kernels are AVX-512 VNNI
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+_AVX512 = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+_CFLAGS = list(_AVX512)
 if os.environ.get("O3EDGE_CPU_PROFILE") == "1":  # the native step's phase timers (tools/profile_cpu_step.py)
     _CFLAGS.append("-DO3_PROFILE")
 ISA_NEEDS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}  # what each attention build runs on
@@ -82,7 +83,7 @@ def attention_flags(isa: str) -> list[str]:
     any x86-64 CPU with AVX2 and FMA (Haswell's instructions: on a machine with more, exactly what an AVX2-only
     one runs)."""
     if isa == "avx512":
-        return ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+        return _AVX512
     return ["-O3", "-march=haswell", "-fopenmp", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
 
 
@@ -115,8 +116,8 @@ def attention_available() -> bool:
     or cannot build."""
     isa = attention_isa()
     if isa is None:
-        log.info("o3edge CPU attention off (O3EDGE_CPU_ATTN_ISA, O3EDGE_CPU_KERNELS=torch, or no AVX2): torch's "
-                 "operations")
+        log.info("o3edge CPU attention off (O3EDGE_CPU_ATTN_ISA, O3EDGE_CPU_KERNELS=torch, no AVX2, or not x86-64): "
+                 "torch's operations")
         return False
     if not _build("o3edge_cpu_attn_", ATTENTION_SOURCES, attention_flags(isa)):
         return False
