@@ -75,60 +75,53 @@ def setup(a, rng: random.Random, router: KVRouter):
 
 
 def kernel_parts(router: KVRouter, a) -> dict:
-    """Host ms of each part of kv_quantize.move_blocks for a.demotions moves (the device synchronized
-    between parts): the ids' copy to the device (kv_quantize.PinnedStage), the kernel's launch, the two
-    index copies."""
+    """Host ms of each part of kv_quantize.move_blocks for a.demotions moves, the device synchronized between
+    parts (flush_steps with sync), median of a.repeat: the moves as an array, the ids' copy to the device
+    (kv_quantize.PinnedStage), the kernel's launch, the two index copies."""
     import numpy as np
 
-    from o3edge.engine.kernels.kv_quantize import PinnedStage, quantize_blocks
-
-    bs, n = a.block_size, a.demotions
-    moves = np.stack([np.arange(n), np.arange(n)], axis=1)
-    parts: dict = {"ids to device": [], "kernel launch": [], "index copies": []}
-    stage = PinnedStage(router.device)
+    moves = np.stack([np.arange(a.demotions), np.arange(a.demotions)], axis=1).tolist()
+    parts = collections.defaultdict(list)
     for _ in range(a.repeat):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst = (moves[:, 1, None] * bs + np.arange(bs)).reshape(-1)
-        ids = stage.to_device(np.concatenate([moves[:, 0], dst]))
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        c, s = quantize_blocks(router.kv_cache, ids[:n], bs, a.mode, router.rotation)
-        t3 = time.perf_counter()
-        torch.cuda.synchronize()
-        t4 = time.perf_counter()
-        router.codes.index_copy_(2, ids[n:], c)
-        router.scales.index_copy_(2, ids[n:], s)
-        t5 = time.perf_counter()
-        for key, dt in (("ids to device", t1 - t0), ("kernel launch", t3 - t2), ("index copies", t5 - t4)):
-            parts[key].append(dt * 1e3)
+        for key, ms in flush_steps(router, moves, sync=True).items():
+            parts[key].append(ms)
     return {k: round(statistics.median(v), 4) for k, v in parts.items()}
 
 
-def flush_steps(router: KVRouter, moves: list) -> dict:
-    """Host ms of each step of one flush by the kernel as KVRouter._quantize_moves takes them, timed in place with no
-    sync between them (kernel_parts times the same calls with the device idle before each): the moves as an
-    array, the ids through the pinned stage, the kernel's launch (its scratch made), the two index copies."""
+def flush_steps(router: KVRouter, moves: list, sync: bool = False) -> dict:
+    """Host ms of each step of one flush by the kernel as KVRouter._quantize_moves takes them: the moves as an
+    array, the ids through the pinned stage, the kernel's launch (its scratch made), the two index copies. Timed in
+    place with no sync between them, or with sync (kernel_parts) the device idle before each."""
     import numpy as np
 
     from o3edge.engine.kernels.kv_quantize import quantize_blocks
 
-    bs, t = router.block_size, [time.perf_counter()]
+    bs, times = router.block_size, {}
+    start = time.perf_counter()
+
+    def done(name: str) -> None:
+        nonlocal start
+        times[name] = (time.perf_counter() - start) * 1e3
+        if sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+
+    if sync:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
     with torch.inference_mode():
         arr = np.array(moves, dtype=np.int64)
-        t.append(time.perf_counter())
+        done("moves as an array")
         n = len(arr)
         ids = np.concatenate([arr[:, 0], (arr[:, 1, None] * bs + np.arange(bs)).reshape(-1)])
         ids = router.stage.to_device(ids) if router.stage is not None else torch.from_numpy(ids).to(router.device)
-        t.append(time.perf_counter())
+        done("ids to device")
         c, s = quantize_blocks(router.kv_cache, ids[:n], bs, router.cfg.mode, router.rotation)
-        t.append(time.perf_counter())
+        done("kernel launch")
         router.codes.index_copy_(2, ids[n:], c)
         router.scales.index_copy_(2, ids[n:], s)
-        t.append(time.perf_counter())
-    names = ("moves as an array", "ids to device", "kernel launch", "index copies")
-    return {k: (b - a) * 1e3 for k, a, b in zip(names, t, t[1:])}
+        done("index copies")
+    return times
 
 
 def main() -> None:
