@@ -5,7 +5,7 @@ For each linear layer of a decode step (tinyllama-1.1b and llama-1b shapes) and 
   - unfused: the op before (add_rmsnorm / silu_mul) + cuBLAS F.linear (today's step), or INT4 tinygemm;
   - fused:   the decode step's way: at one row kernels/gemv.py with the op fused in; above, the op and
              the skinny kernel; INT4 above 64 rows (prefill), dequantize + cuBLAS (kernels/int4_matmul.py);
-             for its planned tiling and (--grid) a grid of alternatives;
+             for its planned tiling and (--grid) a grid of alternatives (at prefill sizes, INT4 tiles);
 and reports microseconds per call and weight GB/s. Each timing replays a CUDA graph that runs the layer
 over enough distinct weight copies (>= 512 MB) that nothing is served from L2, as in a real step where
 the whole model streams by. Compiles run first in parallel processes (Triton's disk cache).
@@ -70,8 +70,9 @@ def grid(M: int, weights: str) -> list[tuple[int, ...]]:
         if int4:
             return list(itertools.product((4, 8, 16), (512, 1024), (1, 2), (4, 8)))
         return list(itertools.product((4, 8, 16), (1024, 2048), (1,), (4, 8), (4, 6, 8)))
-    if M > MAX_ROWS:
-        return []
+    if M > MAX_ROWS:  # prefill: INT4 tiles dequantized in registers (asm_int4, swapped) against dequantize + cuBLAS
+        return [(n, k, s, w, 0, 3) for n, k, s, w in itertools.product((64, 128), (64, 128), (1, 4), (4, 8))
+                if int4 and not (n == 128 and w == 4)]
     if weights == "int8":  # tiles dequantized in registers, as INT4's (asm_int4): stages tried too
         return [(n, k, s, w, 0, st) for n, k, s, w, st in itertools.product(
             (32, 64, 128), (128, 256), (1, 4, 8), (4, 8), (3, 4)) if not (n == 128 and w == 4)]
@@ -124,7 +125,7 @@ class Case:
                 kw.update(norm_weight=self.nw, residual=self.res, eps=1e-5)
             return skinny_matmul(self.x, w[0], silu=self.pro == "silu", **kw)
         x = self.op(self.x)
-        if self.M > MAX_ROWS:
+        if self.M > MAX_ROWS and config is None:
             return int8_matmul(x, w[0], w[1]) if self.kind == "int8" else int4_matmul(x, w[0], w[1], GROUP, self.N)
         return skinny_matmul(x, w[0], **kw)
 

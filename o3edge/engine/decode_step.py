@@ -60,7 +60,12 @@ def silu_epilogue(mod, rows: int) -> bool:
     rows, not streamed), unless O3EDGE_INT4_SILU_EPILOGUE=0. On the H200 (tools/bench_gpu.py --shape
     tinyllama-1.1b --dtype float16 --int4 --batches 4,8,32, off and on twice in one call;
     docs/results/gpu-2026-12-03f/silu-epilogue/), INT4-FFN decode at batch 32 went from 25,263-25,490 to
-    27,088-27,193 tok/s (fp16 24,674-24,892 in the same runs), at 8 from 7,230-7,242 to 7,276-7,285."""
+    27,088-27,193 tok/s (fp16 24,674-24,892 in the same runs), at 8 from 7,230-7,242 to 7,276-7,285. At one row
+    (gate/up's streamed row blocks holding gate rows and their up rows, down reading the product instead of making
+    it in each program's prologue) it was tried and not kept (docs/results/gpu-2026-12-04-fifteenth/): the graph
+    step of tinyllama-1.1b with every linear INT4 0.471 -> 0.457 ms but fp16 0.758 -> 0.767, and whole generations
+    with every linear INT4 2,155 -> 2,170 tok/s at 4.87 tokens per joule against 5.02-5.03 (the board drew ~446 W
+    against ~429)."""
     from o3edge.engine.kernels.gemv import MAX_ROWS, rows_int4
 
     return (isinstance(mod, Int4Linear) and mod.neutral and 1 < rows <= MAX_ROWS and not rows_int4(rows)

@@ -10,6 +10,12 @@ Decode attention's key splits keep their merge kernel (1.8 us a layer). Tried on
 batch 1, one device call each, so not the same machine): the last split merging its GQA group's heads
 one after another cost 11.5 us a layer; one split for contexts up to 256 keys (no merge at all)
 7.8 us, its key tiles in series; the split kernel plus merge 5.4 us (docs/results/gpu-2026-11-30b/).
+Tried again on 2026-12-04 at one row, the group's heads merged at once by the last split and splits past
+the context returning at once (docs/results/gpu-2026-12-04-fifteenth/): alone, 3.61 us a layer against
+3.81 at 200 keys with one 256-key tile on 8 warps, but 6.23 against 3.89 at 1,000 keys; in the step (graph
+replay, tinyllama-1.1b at ~130 keys) fp16 0.758 -> 0.821 ms and every linear INT4 0.471 -> 0.481; with
+today's 64-key tiles 0.759 -> 0.757 and 0.470 -> 0.473. The merge kernel, launched early by PDL, costs the
+step nothing measurable; the code was not kept.
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ from o3edge.engine.kernels.arrival import arrival_counters, last_arrival
 
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
 MAX_ROWS = 64  # the decode batches this serves; larger ones go to cuBLAS
+# rows a tiling given by hand may take (tools/bench_gemv.py: INT4 tiles at prefill sizes, against dequantize + cuBLAS)
+CONFIG_MAX_ROWS = 256
 
 
 @triton.jit
@@ -1064,7 +1066,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     int4, int8 = scales_and_zeros is not None, scales8 is not None
     N = out_features if int4 else weight.shape[0]
     K = x.shape[1] // 2 if silu else x.shape[1]
-    if M > MAX_ROWS or x.stride(-1) != 1:
+    if M > (MAX_ROWS if config is None else CONFIG_MAX_ROWS) or x.stride(-1) != 1:
         raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} contiguous rows, got {tuple(x.shape)}")
     from o3edge.engine.kernels import num_sms
 
