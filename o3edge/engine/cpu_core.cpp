@@ -32,57 +32,67 @@ static int64_t g_steps;
 namespace {
 
 // ---- vector math: ATen's AVX-512 algorithms, reproduced so the step's numbers are the ones it had on ATen ----
+// (16 lanes of cpu_vec.h: the AVX-VNNI build computes them lane for lane alike)
 
 // the sum of the 16 lanes in at::vec::vec_reduce_all's order (halves, then quarters, pairs, neighbours)
-inline float reduce_add(__m512 v) {
+#ifndef O3_AVXVNNI
+inline float reduce_add(vf16 v) {
   v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
   v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
   v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
   v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
   return _mm512_cvtss_f32(v);
 }
+#else
+inline float reduce_add(vf16 v) {  // the same order: lanes i and i + 8 first, then i + 4, i + 2, i + 1
+  __m256 a = _mm256_add_ps(v.lo, v.hi);
+  a = _mm256_add_ps(a, _mm256_permute2f128_ps(a, a, 1));
+  a = _mm256_add_ps(a, _mm256_shuffle_ps(a, a, 0x4E));
+  a = _mm256_add_ps(a, _mm256_shuffle_ps(a, a, 0xB1));
+  return _mm256_cvtss_f32(a);
+}
+#endif
 
-inline __m512 pow2i(__m512i q) {  // 2^q for q in the normal range
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(0x7f)), 23));
+inline vf16 pow2i(vi16 q) {  // 2^q for q in the normal range
+  return vasf(vslli32<23>(vadd(q, vseti(0x7f))));
 }
 
 // e^d within 1 ulp: SLEEF's expf (Sleef_expf16_u10, what Vectorized<float>::exp calls), its AVX-512 FMA build
-inline __m512 exp_u10(__m512 d) {
-  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137f)));
-  const __m512 qf = _mm512_cvtepi32_ps(q);
-  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);  // d - q ln2, ln2 in two parts
-  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
-  u = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-  const __m512i q1 = _mm512_srai_epi32(q, 1);  // 2^q as two factors: q may pass the exponent's range
-  u = _mm512_mul_ps(_mm512_mul_ps(u, pow2i(q1)), pow2i(_mm512_sub_epi32(q, q1)));
-  u = _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.f), _CMP_LT_OQ), u);
-  return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.f), d, _CMP_LT_OQ),
-                            _mm512_set1_ps(INFINITY));
+inline vf16 exp_u10(vf16 d) {
+  const vi16 q = vcvti(vmul(d, vsetf(1.442695040888963407359924681001892137f)));
+  const vf16 qf = vcvtf(q);
+  vf16 s = vfmadd(qf, vsetf(-0.693145751953125f), d);  // d - q ln2, ln2 in two parts
+  s = vfmadd(qf, vsetf(-1.428606765330187045e-06f), s);
+  vf16 u = vsetf(0.000198527617612853646278381f);
+  u = vfmadd(u, s, vsetf(0.00139304355252534151077271f));
+  u = vfmadd(u, s, vsetf(0.00833336077630519866943359f));
+  u = vfmadd(u, s, vsetf(0.0416664853692054748535156f));
+  u = vfmadd(u, s, vsetf(0.166666671633720397949219f));
+  u = vfmadd(u, s, vsetf(0.5f));
+  u = vadd(vsetf(1.f), vfmadd(vmul(s, s), u, s));
+  const vi16 q1 = vsrai32<1>(q);  // 2^q as two factors: q may pass the exponent's range
+  u = vmul(vmul(u, pow2i(q1)), pow2i(vsub(q, q1)));
+  u = vselect(vcmp<_CMP_NLT_UQ>(d, vsetf(-104.f)), u, vzerof());  // 0 below -104
+  return vselect(vcmp<_CMP_LT_OQ>(vsetf(100.f), d), vsetf(INFINITY), u);
 }
 
 // e^x within 20 ulp: ATen's Vectorized<float>::exp_u20 (softmax numerators, where x <= 0)
-inline __m512 exp_u20(__m512 x) {
-  const __m512 lo = _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50));  // ln(FLT_MIN)
-  const __m512 hi = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));  // ln(FLT_MAX)
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OS);
-  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b)), _mm512_set1_ps(0.5f));
-  fx = _mm512_cvtepi32_ps(_mm512_cvt_roundps_epi32(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-  const __m512 r = _mm512_fnmadd_ps(fx, _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218)), x);
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.f));
-  __m512 two_n = pow2i(_mm512_cvtps_epi32(_mm512_sub_ps(fx, _mm512_set1_ps(1.f))));  // 2^(n-1): n may be 128
-  two_n = _mm512_mask_blend_ps(tiny, two_n, _mm512_setzero_ps());
-  return _mm512_mul_ps(_mm512_mul_ps(p, two_n), _mm512_set1_ps(2.f));
+inline vf16 exp_u20(vf16 x) {
+  const vf16 lo = vasf(vseti((int32_t)0xc2aeac50));  // ln(FLT_MIN)
+  const vf16 hi = vasf(vseti(0x42b17218));  // ln(FLT_MAX)
+  const vm16 tiny = vcmp<_CMP_LT_OS>(x, lo);
+  x = vmax(vmin(x, hi), lo);
+  vf16 fx = vfmadd(x, vasf(vseti(0x3fb8aa3b)), vsetf(0.5f));
+  fx = vfloor(fx);
+  const vf16 r = vfnmadd(fx, vasf(vseti(0x3f317218)), x);
+  vf16 p = vfmadd(r, vsetf(0.00828929059f), vsetf(0.0418978221f));
+  p = vfmadd(r, p, vsetf(0.166676521f));
+  p = vfmadd(r, p, vsetf(0.499991506f));
+  p = vfmadd(r, p, vsetf(0.999999701f));
+  p = vfmadd(r, p, vsetf(1.f));
+  vf16 two_n = pow2i(vcvti(vsub(fx, vsetf(1.f))));  // 2^(n-1): n may be 128
+  two_n = vselect(tiny, vzerof(), two_n);
+  return vmul(vmul(p, two_n), vsetf(2.f));
 }
 
 // ---- the step's pieces -----------------------------------------------------------------------------------
@@ -136,9 +146,9 @@ void matmul(const o3_linear& l, const Quantized& q, int64_t M, float* out, bool 
 void rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t n, float eps) {
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * n;
-    __m512 acc = _mm512_setzero_ps();
+    vf16 acc = vzerof();
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(xm + i), _mm512_loadu_ps(xm + i), acc);
+    for (; i + 16 <= n; i += 16) acc = vfmadd(vloadf(xm + i), vloadf(xm + i), acc);
     float ss = reduce_add(acc);
     for (; i < n; ++i) ss += xm[i] * xm[i];
     const float r = 1.f / std::sqrt(ss / n + eps);
@@ -150,10 +160,9 @@ void rms_norm(const float* x, const float* w, float* y, int64_t M, int64_t n, fl
 void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 e = exp_u10(_mm512_xor_ps(g, _mm512_set1_ps(-0.f)));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
-                                            _mm512_loadu_ps(up + i)));
+    const vf16 g = vloadf(gate + i);
+    const vf16 e = exp_u10(vneg(g));
+    vstore(out + i, vmul(vdiv(g, vadd(vsetf(1.f), e)), vloadf(up + i)));
   }
   for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
@@ -198,23 +207,22 @@ void attend_part(const float* q, int64_t H, int64_t KVH, const float* kbase, con
     for (int64_t h = 0; h < H; ++h) {
       const float* qh = q + h * hd;
       const float* kh = kt + (h / rep) * hd;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kh));
-      for (int64_t i = 1; i < nv; ++i)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), _mm512_loadu_ps(kh + 16 * i), acc);
-      sc[h * n + t] = _mm512_reduce_add_ps(acc) * scale;
+      vf16 acc = vmul(vloadf(qh), vloadf(kh));
+      for (int64_t i = 1; i < nv; ++i) acc = vfmadd(vloadf(qh + 16 * i), vloadf(kh + 16 * i), acc);
+      sc[h * n + t] = vreduce_add(acc) * scale;
     }
   }
   for (int64_t h = 0; h < H; ++h) {  // softmax numerators, max and sum
     float* s = sc + h * n;
     float m = -INFINITY;
     for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 vsum = _mm512_setzero_ps();
+    const vf16 vm = vsetf(m);
+    vf16 vsum = vzerof();
     int64_t t = 0;
     for (; t + 16 <= n; t += 16) {
-      const __m512 e = exp_u20(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
-      _mm512_storeu_ps(s + t, e);
-      vsum = _mm512_add_ps(vsum, e);
+      const vf16 e = exp_u20(vsub(vloadf(s + t), vm));
+      vstore(s + t, e);
+      vsum = vadd(vsum, e);
     }
     float sum = reduce_add(vsum);
     for (; t < n; ++t) {
@@ -232,10 +240,8 @@ void attend_part(const float* q, int64_t H, int64_t KVH, const float* kbase, con
     for (int64_t h = 0; h < H; ++h) {
       const float* vh = vt + (h / rep) * hd;
       float* out = part + h * (hd + 2);
-      const __m512 p = _mm512_set1_ps(sc[h * n + t]);
-      for (int64_t i = 0; i < nv; ++i)
-        _mm512_storeu_ps(out + 16 * i,
-                         _mm512_fmadd_ps(p, _mm512_loadu_ps(vh + 16 * i), _mm512_loadu_ps(out + 16 * i)));
+      const vf16 p = vsetf(sc[h * n + t]);
+      for (int64_t i = 0; i < nv; ++i) vstore(out + 16 * i, vfmadd(p, vloadf(vh + 16 * i), vloadf(out + 16 * i)));
     }
   }
 }

@@ -1,10 +1,13 @@
 """o3edge's own CPU kernels, built for this machine on first use and cached: two libraries.
 
-The row kernels (cpu_kernels.cpp), written for AVX-512 VNNI (`vpdpbusd`: 64 int8 products an instruction):
+The row kernels (cpu_kernels.cpp), written for VNNI (`vpdpbusd`: int8 products summed four to an int32 lane):
 `int8_linear` and `int4_linear` (weight-only INT8 per row / INT4 per group, activations quantized per group of
 columns to int8 on entry; weights laid out 16 rows at a time, so one 64-byte load feeds 16 output rows). The same
 library holds the native decode step (cpu_step.cpp, `torch.classes.o3edge_cpu.DecodeModel`, see cpu_step.py),
-which runs the row kernels of cpu_kernels.h for a whole step. `available()`: where the CPU has AVX-512 VNNI.
+which runs the row kernels of cpu_kernels.h for a whole step. Built for cpu_features.row_kernel_isa(): AVX-512
+VNNI (for this machine, -march=native), else AVX-VNNI (the same code on two 256-bit halves, cpu_vec.h; compiled
+for Alder Lake's instructions, not for this machine); O3EDGE_CPU_ISA=avx512|avxvnni picks one where the CPU has
+it. `available()`: where one of the two builds and runs.
 
 The decode attention (cpu_span.cpp, cpu_router.cpp, their loops in cpu_attend.h): `span_attention` (a decode
 step's KV write and attention over each sequence's live prefix, no Python per call) and `router_decode_attention`
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from o3edge.engine.cpu_features import cpu_flags, why_no_vnni_kernels
+from o3edge.engine.cpu_features import AVXVNNI_FLAGS, cpu_flags, row_kernel_isa, why_no_vnni_kernels
 from o3edge.paths import user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -41,19 +44,27 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # the step: cpu_step.cpp binds cpu_core.cpp (which native_lib.py also builds without torch) for cpu_step.py
 SOURCES = [SOURCE, SOURCE.with_name("cpu_step.cpp"), SOURCE.with_name("cpu_core.cpp"), SOURCE.with_name("cpu_core.h"),
-           SOURCE.with_name("cpu_kernels.h")]
+           SOURCE.with_name("cpu_kernels.h"), SOURCE.with_name("cpu_vec.h")]
 ATTENTION_SOURCES = [SOURCE.with_name("cpu_span.cpp"), SOURCE.with_name("cpu_router.cpp"),
                      SOURCE.with_name("cpu_attend.h")]
-# ATen's vectors take their width from CPU_CAPABILITY_*; the row kernels are AVX-512 VNNI
+# ATen's vectors take their width from CPU_CAPABILITY_*
 _AVX512 = ["-O3", "-march=native", "-fopenmp", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
-_CFLAGS = list(_AVX512)
-if os.environ.get("O3EDGE_CPU_PROFILE") == "1":  # the native step's phase timers (tools/profile_cpu_step.py)
-    _CFLAGS.append("-DO3_PROFILE")
+_PROFILE = ["-DO3_PROFILE"] if os.environ.get("O3EDGE_CPU_PROFILE") == "1" else []  # tools/profile_cpu_step.py
 ISA_NEEDS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}  # what each attention build runs on
 
 
-def build_dir(sources: list[Path] = SOURCES, flags: list[str] = _CFLAGS) -> Path:
-    """<XDG cache or ~/.cache>/o3edge/cpu_ext/<hash>: one build per source, torch version and flags."""
+def row_flags(isa: str | None) -> list[str]:
+    """g++ flags of the row kernels and the step for row_kernel_isa()'s isa (None: the AVX-512 VNNI ones)."""
+    if isa == "avxvnni":
+        return ["-O3", "-fopenmp", *AVXVNNI_FLAGS, "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", *_PROFILE]
+    return [*_AVX512, *_PROFILE]
+
+
+def build_dir(sources: list[Path] = SOURCES, flags: list[str] | None = None) -> Path:
+    """<XDG cache or ~/.cache>/o3edge/cpu_ext/<hash>: one build per source, torch version and flags (None: the row
+    library's for row_kernel_isa(), so one build per instruction set)."""
+    if flags is None:
+        flags = row_flags(row_kernel_isa())
     source = b"".join(p.read_bytes() for p in sources)
     key = hashlib.sha256(source + torch.__version__.encode() + " ".join(flags).encode())
     return user_cache_dir() / "cpu_ext" / key.hexdigest()[:16]
@@ -104,8 +115,10 @@ def available() -> bool:
     if why is not None:
         log.info("o3edge CPU kernels off: %s", why)
         return False
-    if not _build("o3edge_cpu_", SOURCES, _CFLAGS):
+    isa = row_kernel_isa()
+    if not _build("o3edge_cpu_", SOURCES, row_flags(isa)):
         return False
+    log.info("o3edge CPU kernels built for %s", isa)
     _register_fakes()
     return True
 

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
 
+log = logging.getLogger(__name__)
+
 VNNI_KERNELS = {"avx512f", "avx512bw", "avx512_vnni"}  # what o3edge's CPU kernels (cpu_kernels.h) use
+# the instruction sets the row kernels and the native step are built for (cpu_vec.h), widest first: AVX-512 VNNI,
+# and AVX-VNNI (vpdpbusd on 256-bit vectors: Alder Lake and later, Zen 5 client), built with -mbmi2 as well
+ROW_KERNEL_NEEDS = {"avx512": VNNI_KERNELS, "avxvnni": {"avx2", "fma", "f16c", "avx_vnni", "bmi2"}}
+# g++ flags of the AVX-VNNI build (cpu_ext.py, native_lib.py): Alder Lake's instructions, not -march=native, so a
+# machine with more builds exactly what one without AVX-512 runs
+AVXVNNI_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mbmi2", "-DO3_AVXVNNI"]
 
 
 @functools.cache
@@ -31,11 +40,34 @@ def cpu_bf16() -> bool:
     return bool(cpu_features() & {"avx512_bf16", "amx_bf16"})
 
 
+def row_kernel_isa() -> str | None:
+    """The instruction set o3edge's row kernels and native step are built for: "avx512" (AVX-512 VNNI) or
+    "avxvnni" (AVX-VNNI), the widest this x86-64 CPU has, or O3EDGE_CPU_ISA's where the CPU has it; None where
+    none runs (O3EDGE_CPU_KERNELS=torch, a CPU with neither, not x86-64, or an O3EDGE_CPU_ISA o3edge does not
+    know or this CPU lacks: logged; torch's kernels there)."""
+    if os.environ.get("O3EDGE_CPU_KERNELS", "auto") == "torch" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    forced = os.environ.get("O3EDGE_CPU_ISA", "auto")
+    have = cpu_flags()
+    for isa in ROW_KERNEL_NEEDS if forced == "auto" else (forced,):
+        if isa in ROW_KERNEL_NEEDS and ROW_KERNEL_NEEDS[isa] <= have:
+            return isa
+    if forced != "auto":
+        log.warning("O3EDGE_CPU_ISA=%s: not one of avx512, avxvnni, or this CPU lacks it; torch's kernels", forced)
+    return None
+
+
 def why_no_vnni_kernels() -> str | None:
-    """Why o3edge's VNNI kernels cannot run here (switched off, not x86-64, flags missing), or None."""
+    """Why o3edge's VNNI kernels cannot run here (switched off, not x86-64, flags missing), or None (they run, built
+    for row_kernel_isa())."""
     if os.environ.get("O3EDGE_CPU_KERNELS", "auto") == "torch":
         return "O3EDGE_CPU_KERNELS=torch"
-    missing = VNNI_KERNELS - cpu_flags()
-    if platform.machine() not in ("x86_64", "AMD64") or missing:
-        return "this CPU lacks " + (", ".join(sorted(missing)) or "x86-64")
-    return None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "this CPU lacks x86-64"
+    if row_kernel_isa() is not None:
+        return None
+    forced = os.environ.get("O3EDGE_CPU_ISA", "auto")
+    if forced != "auto":
+        return f"O3EDGE_CPU_ISA={forced} (unknown, or this CPU lacks it)"
+    missing = (", ".join(sorted(need - cpu_flags())) for need in ROW_KERNEL_NEEDS.values())
+    return "this CPU lacks " + " and ".join(missing)

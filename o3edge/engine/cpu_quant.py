@@ -4,10 +4,10 @@ On disk a weight is `<name>.qweight8` int8 [N, K] and `<name>.scales8` float32 [
 output row, w ~ q * scale with scale = max|w_row| / 127. That form is device- and CPU-neutral; the
 kernel, and the layout it wants, is picked when the engine loads (`pick_int8_kernel`):
 
-- "vnni": o3edge's own AVX-512 VNNI kernel (cpu_ext.py, cpu_kernels.cpp): activations quantized to int8
+- "vnni": o3edge's own VNNI kernel (cpu_ext.py, cpu_kernels.cpp): activations quantized to int8
   per group of 32 columns, weights 16 rows per 64-byte load; no Python between the operator and the loop,
   traceable by torch.compile. Fastest here at decode row counts and closer to float32 than fbgemm (finer
-  activation scales); taken where the CPU has AVX-512 VNNI and the kernels build.
+  activation scales); taken where the CPU has AVX-512 VNNI or AVX-VNNI and the kernels build.
 - "fbgemm": torch's `quantized::linear_dynamic` (fbgemm, x86): activations are quantized per tensor
   to uint8 on the fly, int8 GEMM, float32 out. Fastest here at every row count (tools/bench_cpu_kernels.py).
   On CPUs without VNNI it runs with `reduce_range` (7-bit activations): its AVX2 path adds pairs of

@@ -2,9 +2,10 @@
 
 The step is the one the torch backend's DecodeModel runs (cpu_step.cpp binds the same cpu_core.cpp), so a
 process that serves a quantized engine this way never imports torch (~218 MB of resident memory). The library
-is built with `g++ -O3 -march=native -fopenmp` into <XDG cache or ~/.cache>/o3edge/native/<hash of sources, flags
-and CPU>/libo3core.so, a few seconds once; later processes load it in milliseconds. Where the CPU lacks
-AVX-512 F/BW/VNNI, no compiler is found, the build fails, or O3EDGE_CPU_KERNELS=torch, `available()` is False.
+is built for cpu_features.row_kernel_isa(), with `g++ -O3 -march=native -fopenmp` on AVX-512 VNNI, or for
+AVX-VNNI with cpu_features.AVXVNNI_FLAGS (O3EDGE_CPU_ISA picks one), into <XDG cache or ~/.cache>/o3edge/native/
+<hash of sources, flags and CPU>/libo3core.so, a few seconds once; later processes load it in milliseconds. Where the
+CPU has neither, no compiler is found, the build fails, or O3EDGE_CPU_KERNELS=torch, `available()` is False.
 
 A step releases the GIL while it runs (ctypes); its threads are OpenMP's (threads <= 0: OMP_NUM_THREADS, else
 the CPUs this process may run on). Two steps must not write one KV cache at once.
@@ -29,29 +30,35 @@ from pathlib import Path
 
 import numpy as np
 
-from o3edge.engine.cpu_features import cpu_flags, why_no_vnni_kernels
+from o3edge.engine.cpu_features import AVXVNNI_FLAGS, cpu_flags, row_kernel_isa, why_no_vnni_kernels
 from o3edge.paths import user_cache_dir
 
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCE = _HERE / "cpu_core.cpp"
-SOURCES = [SOURCE, _HERE / "cpu_core.h", _HERE / "cpu_kernels.h"]  # what it includes: in the build's hash
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+SOURCES = [SOURCE, _HERE / "cpu_core.h", _HERE / "cpu_kernels.h", _HERE / "cpu_vec.h"]  # in the build's hash
+_CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 if os.environ.get("O3EDGE_CPU_PROFILE") == "1":  # the step's phase timers (as cpu_ext.py)
     _CFLAGS.append("-DO3_PROFILE")
+ISA_FLAGS = {"avx512": ["-march=native"], "avxvnni": AVXVNNI_FLAGS}  # per instruction set (row_kernel_isa)
 _ERR_BYTES = 512
 
 
-def build_path() -> Path:
-    """<XDG cache or ~/.cache>/o3edge/native/<hash>/libo3core.so: one build per source, flags and CPU (-march=native:
-    a cache shared with another kind of CPU must not hand it instructions it lacks)."""
-    flags = " ".join(_CFLAGS + sorted(cpu_flags()))
+def build_flags(isa: str | None = None) -> list[str]:
+    """g++ flags of the library for isa (None: row_kernel_isa(), or the AVX-512 VNNI ones where that is None)."""
+    return _CFLAGS + ISA_FLAGS[isa or row_kernel_isa() or "avx512"]
+
+
+def build_path(isa: str | None = None) -> Path:
+    """<XDG cache or ~/.cache>/o3edge/native/<hash>/libo3core.so: one build per source, flags (so per instruction
+    set) and CPU (-march=native: a cache shared with another kind of CPU must not hand it instructions it lacks)."""
+    flags = " ".join(build_flags(isa) + sorted(cpu_flags()))
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + flags.encode())
     return user_cache_dir() / "native" / key.hexdigest()[:16] / "libo3core.so"
 
 
-def _build(lib: Path) -> None:
+def _build(lib: Path, flags: list[str]) -> None:
     """Compile cpu_core.cpp into lib: to a temporary name, then renamed, so a concurrent process never loads
     half a file."""
     cxx = os.environ.get("CXX") or shutil.which("g++")
@@ -61,7 +68,7 @@ def _build(lib: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".libo3core-", suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *_CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
+        done = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
@@ -77,10 +84,11 @@ def _lib() -> ctypes.CDLL | None:
     if why is not None:
         log.info("o3edge native step off: %s", why)
         return None
+    isa = row_kernel_isa()
     try:
-        path = build_path()
+        path = build_path(isa)
         if not path.exists():
-            _build(path)
+            _build(path, build_flags(isa))
         lib = ctypes.CDLL(str(path))
     except Exception as exc:  # no compiler, a build error, an unloadable library
         log.warning("o3edge native step unavailable: %s", str(exc)[:2000])
@@ -91,6 +99,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.o3_step.argtypes = [ctypes.POINTER(_Model), i64, p, p, p, p, i64, i64, p, p, i64, p, i64, i64, p, p, c_int,
                             ctypes.c_char_p, i64]
     lib.o3_step.restype = c_int
+    log.info("o3edge native step built for %s", isa)
     return lib
 
 

@@ -1,16 +1,23 @@
-"""o3edge's own CPU kernels (cpu_ext.py): the VNNI INT8/INT4 linears against their dequantized weights, the
-C++ span attention against the Python one (also as built for an AVX2-only CPU), and the fallback to torch's
-kernels."""
+"""o3edge's own CPU kernels (cpu_ext.py): the VNNI INT8/INT4 linears against their dequantized weights (also as
+built for an AVX-VNNI CPU without AVX-512), the C++ span attention against the Python one (also as built for an
+AVX2-only CPU), the choice of instruction set, and the fallback to torch's kernels."""
+
+import platform
 
 import pytest
 import torch
 
-from o3edge.engine import cpu_ext, cpu_quant
+from o3edge.engine import cpu_ext, cpu_features, cpu_quant, native_lib
 from o3edge.engine.cpu_compiled import span_decode_attention
 from o3edge.engine.cpu_quant import Int8Linear, dequantize_int8, quantize_int8
 from o3edge.engine.quant import Int4Linear, dequantize_int4, quantize_int4
 
-needs_kernels = pytest.mark.skipif(not cpu_ext.available(), reason="this CPU lacks AVX-512 VNNI (or no g++/ninja)")
+needs_kernels = pytest.mark.skipif(not cpu_ext.available(),
+                                   reason="this CPU lacks AVX-512 VNNI and AVX-VNNI (or no g++/ninja)")
+AVXVNNI_MISSING = cpu_features.ROW_KERNEL_NEEDS["avxvnni"] - cpu_features.cpu_flags()
+needs_avxvnni = pytest.mark.skipif(bool(AVXVNNI_MISSING) or cpu_features.row_kernel_isa() is None,
+                                   reason=f"this CPU lacks {', '.join(sorted(AVXVNNI_MISSING))} (or the row kernels "
+                                          "are switched off)")
 needs_attention = pytest.mark.skipif(not cpu_ext.attention_available(), reason="this CPU lacks AVX2 (or no g++/ninja)")
 
 
@@ -142,3 +149,56 @@ def test_an_attention_width_switched_off_or_unknown_keeps_torchs_operations(valu
     with caplog.at_level("WARNING", logger="o3edge.engine.cpu_ext"):
         assert cpu_ext.attention_isa() is None
     assert (value in caplog.text) == (value != "off")
+
+
+@needs_avxvnni
+def test_the_row_kernels_built_for_an_avx_vnni_cpu_match_their_dequantized_weights():
+    """O3EDGE_CPU_ISA=avxvnni (a real process): the INT8 and INT4 linears built for AVX-VNNI (256-bit vpdpbusd, Alder
+    Lake's instructions, as a CPU without AVX-512 builds them) pass the tests above, none of them skipped."""
+    import os
+    import subprocess
+    import sys
+
+    tests = ["tests/engine/test_cpu_ext.py::test_vnni_int8_linear_matches_its_dequantized_weight",
+             "tests/engine/test_cpu_ext.py::test_vnni_int4_linear_matches_its_dequantized_weight"]
+    script = ("import sys, pytest; from o3edge.engine import cpu_ext, cpu_features; "
+              "print(cpu_features.row_kernel_isa(), cpu_ext.available(), flush=True); "
+              f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{tests!r}]))")
+    run = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, O3EDGE_CPU_ISA="avxvnni"),
+                         capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert run.stdout.split("\n")[0].split() == ["avxvnni", "True"], run.stdout[-1000:] + run.stderr[-2000:]
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "15 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-1000:]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="not x86-64: no row kernels to choose")
+@pytest.mark.parametrize("value", ["sse9", "avx1024", "avxvnni", "avx512"])
+def test_the_row_kernel_isa_is_the_widest_this_cpu_has_or_the_one_asked_for(value, monkeypatch, caplog):
+    """Unset: AVX-512 VNNI where the CPU has it, else AVX-VNNI, else none. O3EDGE_CPU_ISA=avx512|avxvnni: that one
+    where the CPU has it; a value o3edge does not know, or one this CPU lacks: none (torch's kernels) and a warning
+    naming it."""
+    have = cpu_features.cpu_flags()
+    runs = [isa for isa, needs in cpu_features.ROW_KERNEL_NEEDS.items() if needs <= have]
+    monkeypatch.delenv("O3EDGE_CPU_KERNELS", raising=False)
+    monkeypatch.delenv("O3EDGE_CPU_ISA", raising=False)
+    assert cpu_features.row_kernel_isa() == (runs[0] if runs else None)
+    monkeypatch.setenv("O3EDGE_CPU_ISA", value)
+    with caplog.at_level("WARNING", logger="o3edge.engine.cpu_features"):
+        isa = cpu_features.row_kernel_isa()
+    if value in runs:
+        assert isa == value and cpu_features.why_no_vnni_kernels() is None and not caplog.text
+    else:
+        assert isa is None and value in caplog.text
+        assert cpu_features.why_no_vnni_kernels() == f"O3EDGE_CPU_ISA={value} (unknown, or this CPU lacks it)"
+    monkeypatch.setenv("O3EDGE_CPU_KERNELS", "torch")
+    assert cpu_features.row_kernel_isa() is None
+
+
+def test_each_row_kernel_isa_builds_in_a_directory_of_its_own():
+    """One cache entry per instruction set, for the torch library and the torch-free one: switching O3EDGE_CPU_ISA
+    never loads the other's build; the AVX-VNNI one is compiled for Alder Lake's instructions, not this machine."""
+    assert cpu_ext.build_dir(flags=cpu_ext.row_flags("avx512")) != cpu_ext.build_dir(flags=cpu_ext.row_flags("avxvnni"))
+    assert native_lib.build_path("avx512") != native_lib.build_path("avxvnni")
+    for flags in (cpu_ext.row_flags("avxvnni"), native_lib.build_flags("avxvnni")):
+        assert "-march=native" not in flags and {"-mavxvnni", "-DO3_AVXVNNI"} <= set(flags)

@@ -9,7 +9,8 @@ from o3edge.engine import cpu_ext
 from o3edge.engine.engine_dir import build_engine_dir
 from o3edge.engine.sequence import SamplingParams
 
-needs_kernels = pytest.mark.skipif(not cpu_ext.available(), reason="this CPU lacks AVX-512 VNNI (or no g++/ninja)")
+needs_kernels = pytest.mark.skipif(not cpu_ext.available(),
+                                   reason="this CPU lacks AVX-512 VNNI and AVX-VNNI (or no g++/ninja)")
 
 
 @needs_kernels

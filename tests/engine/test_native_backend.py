@@ -20,7 +20,8 @@ from o3edge.errors import ConfigError
 from tests.test_reference_model import SHIPPED_MODEL
 from tools.daemon_process import REPO, clean_env
 
-needs_native = pytest.mark.skipif(not native_lib.available(), reason="this CPU lacks AVX-512 VNNI (or no g++)")
+needs_native = pytest.mark.skipif(not native_lib.available(),
+                                  reason="this CPU lacks AVX-512 VNNI and AVX-VNNI (or no g++)")
 
 PROMPTS = ["def read_config(path):\n    \"\"\"Read the", "import os\nimport sys\n\n\ndef main():\n",
            "def read_config(path):\n    \"\"\"Read the file and"]  # the third shares the first's prefix

@@ -1,7 +1,9 @@
 """The native step without torch (native_lib.py): its NumPy packers lay weights out as the torch operators do,
 its step gives the torch extension's DecodeModel numbers on the same weights, a prompt chunk in one call
-equals the same tokens one at a time, bad input is an error rather than a crash, and none of it imports torch."""
+equals the same tokens one at a time, bad input is an error rather than a crash, none of it imports torch, and
+the step built for AVX-VNNI decodes what this machine's build does."""
 
+import json
 import os
 import subprocess
 import sys
@@ -12,12 +14,13 @@ import pytest
 import torch
 
 from o3edge import O3Config, O3Model
-from o3edge.engine import cpu_ext, cpu_quant, native_lib
+from o3edge.engine import cpu_ext, cpu_features, cpu_quant, native_lib
 from o3edge.engine.cpu_step import _linear, _norm
 from o3edge.engine.engine_dir import build_engine_dir
+from o3edge.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.skipif(not (native_lib.available() and cpu_ext.available()),
-                                reason="this CPU lacks AVX-512 VNNI (or no g++/ninja)")
+                                reason="this CPU lacks AVX-512 VNNI and AVX-VNNI (or no g++/ninja)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BS = 8  # KV block size
@@ -203,3 +206,38 @@ def test_packed_arrays_start_on_64_byte_boundaries():
         assert native_lib.group_sums(q, 32).ctypes.data % 64 == 0
         odd = np.arange(1000, dtype=np.float32)[1:]
         assert native_lib.aligned(odd).ctypes.data % 64 == 0 and np.array_equal(native_lib.aligned(odd), odd)
+
+
+def _greedy(path: str) -> dict:
+    """The row kernels' instruction set, and the greedy tokens of two prompts decoded together by the engine at path
+    on the native backend (native_lib) and on the torch backend (its decode steps: cpu_step's DecodeModel)."""
+    out = {"isa": cpu_features.row_kernel_isa()}
+    for backend in ("native", "torch"):
+        model = O3Model.from_config(O3Config(backend=backend, model_path=path, device="cpu", kv_block_size=BS))
+        prompts = [model.engine.encode("def main():\n    return the value"), model.engine.encode("import os")]
+        results = model.generate_batch(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        out[backend] = [r.token_ids for r in results]
+        assert backend == "native" or model.engine.runner.cpu_decode.native is not None  # decoded by cpu_step
+    return out
+
+
+AVXVNNI_MISSING = cpu_features.ROW_KERNEL_NEEDS["avxvnni"] - cpu_features.cpu_flags()
+
+
+@pytest.mark.skipif(bool(AVXVNNI_MISSING), reason=f"this CPU lacks {', '.join(sorted(AVXVNNI_MISSING))}")
+def test_the_step_built_for_an_avx_vnni_cpu_decodes_the_same_greedy_tokens(checkpoints, tmp_path):
+    """O3EDGE_CPU_ISA=avxvnni (a real process): a tiny cpu-int4 engine (INT4 FFN, INT8 attention and LM head, q/k
+    norms, GQA) decodes the same greedy tokens as this process's build (AVX-512 VNNI where the CPU has it) on both
+    backends, i.e. through native_lib's library and through cpu_step's."""
+    path = str(tmp_path / "cpu-int4")
+    build_engine_dir(checkpoints("qwen3-qknorm"), path, torch.bfloat16, None, preset="cpu-int4",
+                     calibration_tokens=4096)
+    script = f"import json; from tests.engine.test_native_lib import _greedy; print(json.dumps(_greedy({path!r})))"
+    run = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, O3EDGE_CPU_ISA="avxvnni"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    want = _greedy(path)
+    assert got["isa"] == "avxvnni" and want["isa"] is not None
+    assert got["native"] == want["native"] and got["torch"] == want["torch"]
+    assert all(len(t) == 16 for t in got["native"])

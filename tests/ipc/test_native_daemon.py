@@ -11,7 +11,8 @@ from o3edge.engine.sequence import SamplingParams
 from o3edge.ipc.client import O3Client
 from test_cold_tier_daemon import answer_then_kill_9, system_prompt
 
-pytestmark = pytest.mark.skipif(not native_lib.available(), reason="this CPU lacks AVX-512 VNNI (or no g++)")
+pytestmark = pytest.mark.skipif(not native_lib.available(),
+                                reason="this CPU lacks AVX-512 VNNI and AVX-VNNI (or no g++)")
 
 
 @pytest.fixture(scope="module")
