@@ -4,8 +4,9 @@
 For each linear layer of a decode step (tinyllama-1.1b and llama-1b shapes) and each batch size, times
   - unfused: the op before (add_rmsnorm / silu_mul) + cuBLAS F.linear (today's step), or INT4 tinygemm;
   - fused:   the decode step's way: at one row kernels/gemv.py with the op fused in; above, the op and
-             the skinny kernel; INT4 above 64 rows (prefill), dequantize + cuBLAS (kernels/int4_matmul.py);
-             for its planned tiling and (--grid) a grid of alternatives (at prefill sizes, INT4 tiles);
+             the skinny kernel; INT4 above 64 rows (prefill), kernels/int4_matmul.py's way (dequantize + cuBLAS,
+             or tiles: gemv.prefill_tiling); for its planned tiling and (--grid) a grid of alternatives (at
+             prefill sizes, INT4 tiles);
 and reports microseconds per call and weight GB/s. Each timing replays a CUDA graph that runs the layer
 over enough distinct weight copies (>= 512 MB) that nothing is served from L2, as in a real step where
 the whole model streams by. Compiles run first in parallel processes (Triton's disk cache).
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from o3edge.engine.kernels.activation import silu_mul  # noqa: E402
-from o3edge.engine.kernels.gemv import MAX_ROWS, asm_int4, plan, skinny_matmul  # noqa: E402
+from o3edge.engine.kernels.gemv import MAX_ROWS, asm_int4, plan, prefill_tiling, skinny_matmul  # noqa: E402
 from o3edge.engine.kernels.int4_matmul import int4_matmul  # noqa: E402
 from o3edge.engine.kernels.int8_matmul import int8_matmul  # noqa: E402
 from o3edge.engine.cpu_quant import quantize_int8  # noqa: E402
@@ -220,7 +221,7 @@ def main():
             continue
         cfg = config or (plan(M, N, K, int4, torch.cuda.get_device_properties(0).multi_processor_count,
                               int4 and M > 1 and asm_int4(case.x), weights == "int8")
-                         if M <= MAX_ROWS else "dequantize+cuBLAS")
+                         if M <= MAX_ROWS else (int4 and prefill_tiling(M, N, K)) or "dequantize+cuBLAS")
         results.append(dict(model=model, layer=name, M=M, int4=int4, weights=weights, kernel="fused",
                             planned=config is None, config=cfg if isinstance(cfg, str) else list(cfg), us=us,
                             GBps=case.bytes / us / 1e3))

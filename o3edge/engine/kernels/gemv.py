@@ -39,6 +39,7 @@ PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
 MAX_ROWS = 64  # the decode batches this serves; larger ones go to cuBLAS
 # rows a tiling given by hand may take (tools/bench_gemv.py: INT4 tiles at prefill sizes, against dequantize + cuBLAS)
 CONFIG_MAX_ROWS = 256
+PREFILL_TILE_ROWS = 128  # INT4 prompt chunks up to this many rows may run on tiles (prefill_tiling)
 
 
 @triton.jit
@@ -1135,13 +1136,35 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     return (out, x if residual is None else res_out) if pro == PRO_NORM else out
 
 
-def skinny_or_dequantized(x: torch.Tensor, out_features: int, skinny, dequantized) -> torch.Tensor:
+def prefill_tiling(M: int, N: int, K: int) -> tuple[int, ...] | None:
+    """The tiling of an INT4 matmul of MAX_ROWS < M <= PREFILL_TILE_ROWS rows (a prompt chunk) on tiles dequantized
+    in registers, where that beat dequantize + cuBLAS; None: dequantize + cuBLAS. Off unless
+    O3EDGE_INT4_PREFILL_TILES=1: the tiles' output at these sizes is checked under Triton's interpreter only, and the
+    time to first token with them is not measured yet (planned: tests/engine/test_kernels.py -k "int4_matmul or
+    prompt_chunks" compiled on the GPU, and tools/bench_gpu.py --int4-all --batches 1 with the switch off and on).
+
+    On the H200 at 128 rows (tools/bench_gemv.py --shapes tinyllama-1.1b --rows 128 --weights int4 --grid --layers
+    qkv,o,gate_up,down; docs/results/gpu-2026-12-04-fifteenth/call2/), µs, dequantize + cuBLAS -> best tile: gate/up
+    34.0 -> 25.4 (64 rows a tile, 128 columns, one split, 4 warps), down 21.2 -> 18.2 (64 x 64, four splits along
+    K, 8 warps); QKV (12.0) and o (10.2) were no faster on tiles."""
+    if not MAX_ROWS < M <= PREFILL_TILE_ROWS or os.environ.get("O3EDGE_INT4_PREFILL_TILES") != "1":
+        return None
+    if K >= 4096:  # the down projection
+        return 64, 64, 4, 8, 0, 3
+    if N >= 8192:  # gate/up
+        return 64, 128, 1, 4, 0, 3
+    return None
+
+
+def skinny_or_dequantized(x: torch.Tensor, out_features: int, skinny, dequantized, tiled: bool = False) -> torch.Tensor:
     """A quantized linear: x [..., K] -> [..., out_features] in x's dtype. Decode-sized inputs (at most MAX_ROWS
     rows) by skinny(x2) (skinny_matmul on the weight as stored); larger ones (prefill, compute-bound) by cuBLAS on
-    dequantized(dtype), the weight dequantized into a scratch matrix (kernels/int4_matmul.py, int8_matmul.py)."""
+    dequantized(dtype), the weight dequantized into a scratch matrix (kernels/int4_matmul.py, int8_matmul.py), or
+    with `tiled` by skinny(x2) up to PREFILL_TILE_ROWS rows (its tiling from prefill_tiling)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = skinny(x2) if x2.shape[0] <= MAX_ROWS else F.linear(x2, dequantized(x2.dtype))
+    rows = x2.shape[0]
+    y = skinny(x2) if rows <= (PREFILL_TILE_ROWS if tiled else MAX_ROWS) else F.linear(x2, dequantized(x2.dtype))
     return y.view(*shape[:-1], out_features)

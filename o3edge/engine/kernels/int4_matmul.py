@@ -6,8 +6,11 @@ one) and bf16 scales_and_zeros [Kp/g, N, 2], W = (q - 8) * scale + zero per grou
 - Decode-sized inputs (<= gemv.MAX_ROWS rows) run the skinny kernel (kernels/gemv.py): each weight
   byte is read once and dequantized in registers, so the step reads a quarter of fp16's bytes.
 - Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch fp16/bf16 matrix
-  by one streaming kernel (reading a quarter, writing the full size) and multiplied on cuBLAS. A fused
-  dequantize-in-tile GEMM was 6-25x slower than that at 128 rows (docs/benchmarks.md).
+  by one streaming kernel (reading a quarter, writing the full size) and multiplied on cuBLAS; with
+  O3EDGE_INT4_PREFILL_TILES=1 (off until checked on the GPU), up to gemv.PREFILL_TILE_ROWS rows, the FFN's
+  projections run on the skinny kernel's tiles dequantized in registers instead, where those were faster
+  (gemv.prefill_tiling). (The first fused dequantize-in-tile GEMM
+  was 6-25x slower than dequantize + cuBLAS at 128 rows: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from o3edge.engine.kernels.gemv import skinny_matmul, skinny_or_dequantized, weight_tile
+from o3edge.engine.kernels.gemv import prefill_tiling, skinny_matmul, skinny_or_dequantized, weight_tile
 
 
 @triton.jit
@@ -48,7 +51,9 @@ def dequantize(qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                 out_features: int) -> torch.Tensor:
     """x [..., K] (fp16/bf16/fp32) @ INT4 W.T -> [..., N] in x's dtype."""
+    rows, K = x.numel() // x.shape[-1], x.shape[-1]
+    tiling = prefill_tiling(rows, out_features, K)
     return skinny_or_dequantized(
         x, out_features, lambda x2: skinny_matmul(x2, qweight, scales_and_zeros=scales_and_zeros,
-                                                  group_size=group_size, out_features=out_features),
-        lambda dtype: dequantize(qweight, scales_and_zeros, group_size, x.shape[-1], dtype))
+                                                  group_size=group_size, out_features=out_features, config=tiling),
+        lambda dtype: dequantize(qweight, scales_and_zeros, group_size, K, dtype), tiled=tiling is not None)
