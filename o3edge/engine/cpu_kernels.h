@@ -25,6 +25,14 @@ static inline float abs_max(const float* x, int64_t n) {
 // scales, zeros: bf16 bits (uint16) [Kp/G, N]; w = (q - 8) * scale + zero (o3edge/engine/quant.py's scheme).
 // Activations are quantized per group of G columns to int8 (symmetric, scale max|x|/127) on entry.
 
+// several rows on AVX-VNNI, whose 16 lanes are two registers each: one vpdpbusd chain a row instead of two (the
+// second chain's registers spilled at 4 rows; int32 sums are exact either way). One row keeps two, for their overlap.
+#ifdef O3_AVXVNNI
+constexpr bool kOneChainRows = true;
+#else
+constexpr bool kOneChainRows = false;
+#endif
+
 // MB activation rows m0.. against one block of 16 weight rows: each weight load and unpack serves MB rows
 template <int MB>
 static inline void int4_rows(const uint8_t* wb, const int8_t* xq, const float* xs, const int32_t* xsum,
@@ -34,7 +42,8 @@ static inline void int4_rows(const uint8_t* wb, const int8_t* xq, const float* x
   vf16 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = vzerof();
   for (int64_t g = 0; g < NG; ++g) {
-    vi16 ai[MB], bi[MB];  // low and high nibbles: two independent vpdpbusd chains
+    constexpr bool kOneChain = kOneChainRows && MB > 1;
+    vi16 ai[MB], bi[MB];  // low and high nibbles: two independent vpdpbusd chains (or one: kOneChainRows)
     for (int i = 0; i < MB; ++i) ai[i] = bi[i] = vzeroi();
     const uint8_t* w = wb + g * per_group * 64;
     for (int64_t o = 0; o < per_group; ++o) {
@@ -44,10 +53,15 @@ static inline void int4_rows(const uint8_t* wb, const int8_t* xq, const float* x
       for (int i = 0; i < MB; ++i) {
         const int32_t* xg = reinterpret_cast<const int32_t*>(xq + (m0 + i) * Kp) + (g * per_group + o) * 2;
         ai[i] = vdpbusd(ai[i], lo, vseti(xg[0]));
-        bi[i] = vdpbusd(bi[i], hi, vseti(xg[1]));
+        if (kOneChain) {
+          ai[i] = vdpbusd(ai[i], hi, vseti(xg[1]));
+        } else {
+          bi[i] = vdpbusd(bi[i], hi, vseti(xg[1]));
+        }
       }
     }
-    for (int i = 0; i < MB; ++i) ai[i] = vadd(ai[i], bi[i]);
+    if (!kOneChain)
+      for (int i = 0; i < MB; ++i) ai[i] = vadd(ai[i], bi[i]);
     const vf16 sc = vload_bf16(sp + g * N + rb * 16);
     const vf16 ze = vload_bf16(zp + g * N + rb * 16);
     for (int i = 0; i < MB; ++i) {
@@ -76,7 +90,8 @@ static inline void int8_rows(const int8_t* wb, const uint8_t* xu, const float* x
   vf16 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = vzerof();
   for (int64_t g = 0; g < NG; ++g) {
-    vi16 a0[MB], a1[MB];
+    constexpr bool kOneChain = kOneChainRows && MB > 1;
+    vi16 a0[MB], a1[MB];  // even and odd k-quads: two vpdpbusd chains (or one: kOneChainRows)
     for (int i = 0; i < MB; ++i) a0[i] = a1[i] = vzeroi();
     const int8_t* w = wb + g * per_group * 64;
     int64_t o = 0;
@@ -85,7 +100,11 @@ static inline void int8_rows(const int8_t* wb, const uint8_t* xu, const float* x
       for (int i = 0; i < MB; ++i) {
         const int32_t* xg = reinterpret_cast<const int32_t*>(xu + (m0 + i) * K) + g * per_group + o;
         a0[i] = vdpbusd(a0[i], vseti(xg[0]), w0);
-        a1[i] = vdpbusd(a1[i], vseti(xg[1]), w1);
+        if (kOneChain) {
+          a0[i] = vdpbusd(a0[i], vseti(xg[1]), w1);
+        } else {
+          a1[i] = vdpbusd(a1[i], vseti(xg[1]), w1);
+        }
       }
     }
     for (; o < per_group; ++o) {
@@ -97,7 +116,7 @@ static inline void int8_rows(const int8_t* wb, const uint8_t* xu, const float* x
     }
     const vi16 corr = vslli32<7>(vloadi(ws + g * N + rb * 16));
     for (int i = 0; i < MB; ++i) {
-      const vi16 a = vsub(vadd(a0[i], a1[i]), corr);
+      const vi16 a = vsub(kOneChain ? a0[i] : vadd(a0[i], a1[i]), corr);
       acc[i] = vfmadd(vcvtf(a), vsetf(xs[(m0 + i) * NG + g]), acc[i]);
     }
   }

@@ -12,3 +12,12 @@ for r in 1 2; do for isa in avx512 avxvnni; do
 done; done
 O3EDGE_CPU_KERNELS=torch python tools/bench_cpu_o3.py /tmp/avxv/eng /tmp/avxv/prompt.json --runs 3 --warmup 1 \
   --label "cpu-int4 torch kernels" --out $D/decode-torch-kernels.json
+# after one vpdpbusd chain a row for several rows on AVX-VNNI (cpu_kernels.h kOneChainRows), same machine, 22:03-22:06 UTC
+O3EDGE_CPU_ISA=avxvnni python tools/bench_cpu_kernels.py --rows 1 8 128 --json $D/kernels-avxvnni-one-chain.json \
+  > $D/kernels-avxvnni-one-chain.md
+for r in 1 2; do
+  O3EDGE_CPU_ISA=avxvnni python tools/bench_cpu_o3.py /tmp/avxv/eng /tmp/avxv/prompt.json --runs 3 --warmup 1 --backend native \
+    --label "cpu-int4 native avxvnni, one chain" --out $D/decode-avxvnni-one-chain-$r.json
+  O3EDGE_CPU_ISA=avx512 python tools/bench_cpu_o3.py /tmp/avxv/eng /tmp/avxv/prompt.json --runs 3 --warmup 1 --backend native \
+    --label "cpu-int4 native avx512 (same run)" --out $D/decode-avx512-same-run-$r.json
+done
