@@ -31,12 +31,11 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 from pathlib import Path
 
 import torch
 
-from o3edge.engine.cpu_features import AVXVNNI_FLAGS, cpu_flags, row_kernel_isa, why_no_vnni_kernels
+from o3edge.engine.cpu_features import AVXVNNI_FLAGS, choose_isa, row_kernel_isa, why_no_vnni_kernels
 from o3edge.paths import user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -74,19 +73,9 @@ def attention_isa() -> str | None:
     """The vector width the attention library is built for: "avx512" or "avx2" (the widest this x86-64 CPU has,
     or O3EDGE_CPU_ATTN_ISA's where the CPU has it), None where it is not built (O3EDGE_CPU_ATTN_ISA=off,
     O3EDGE_CPU_KERNELS=torch, a CPU with neither, or not x86-64: torch's operations there)."""
-    forced = os.environ.get("O3EDGE_CPU_ATTN_ISA", "auto")
-    if forced == "off" or os.environ.get("O3EDGE_CPU_KERNELS", "auto") == "torch":
+    if os.environ.get("O3EDGE_CPU_ATTN_ISA") == "off":
         return None
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    have = cpu_flags()
-    for isa in ("avx512", "avx2") if forced == "auto" else (forced,):
-        if isa in ISA_NEEDS and ISA_NEEDS[isa] <= have:
-            return isa
-    if forced != "auto":
-        log.warning("O3EDGE_CPU_ATTN_ISA=%s: not one of avx512, avx2, off, or this CPU lacks it; torch's operations",
-                    forced)
-    return None
+    return choose_isa(ISA_NEEDS, "O3EDGE_CPU_ATTN_ISA", "torch's operations", also=("off",), logger=log)
 
 
 def attention_flags(isa: str) -> list[str]:

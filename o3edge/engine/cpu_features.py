@@ -40,21 +40,32 @@ def cpu_bf16() -> bool:
     return bool(cpu_features() & {"avx512_bf16", "amx_bf16"})
 
 
+def choose_isa(needs: dict[str, set[str]], env: str, fallback: str, also: tuple[str, ...] = (),
+               logger: logging.Logger = log) -> str | None:
+    """The instruction set one of o3edge's CPU libraries is built for: the first of `needs` (widest first) whose
+    flags this CPU has, or the one the environment variable `env` names where the CPU has it; None on a machine
+    that is not x86-64, with O3EDGE_CPU_KERNELS=torch, and where none fits (a value of `env` o3edge does not know,
+    or this CPU lacks, is logged on `logger`, naming `fallback`, what runs instead; `also`: other values the
+    caller takes, named in that log)."""
+    if os.environ.get("O3EDGE_CPU_KERNELS", "auto") == "torch" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    forced = os.environ.get(env, "auto")
+    have = cpu_flags()
+    for isa in needs if forced == "auto" else (forced,):
+        if isa in needs and needs[isa] <= have:
+            return isa
+    if forced != "auto":
+        logger.warning("%s=%s: not one of %s, or this CPU lacks it; %s", env, forced, ", ".join([*needs, *also]),
+                       fallback)
+    return None
+
+
 def row_kernel_isa() -> str | None:
     """The instruction set o3edge's row kernels and native step are built for: "avx512" (AVX-512 VNNI) or
     "avxvnni" (AVX-VNNI), the widest this x86-64 CPU has, or O3EDGE_CPU_ISA's where the CPU has it; None where
     none runs (O3EDGE_CPU_KERNELS=torch, a CPU with neither, not x86-64, or an O3EDGE_CPU_ISA o3edge does not
     know or this CPU lacks: logged; torch's kernels there)."""
-    if os.environ.get("O3EDGE_CPU_KERNELS", "auto") == "torch" or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    forced = os.environ.get("O3EDGE_CPU_ISA", "auto")
-    have = cpu_flags()
-    for isa in ROW_KERNEL_NEEDS if forced == "auto" else (forced,):
-        if isa in ROW_KERNEL_NEEDS and ROW_KERNEL_NEEDS[isa] <= have:
-            return isa
-    if forced != "auto":
-        log.warning("O3EDGE_CPU_ISA=%s: not one of avx512, avxvnni, or this CPU lacks it; torch's kernels", forced)
-    return None
+    return choose_isa(ROW_KERNEL_NEEDS, "O3EDGE_CPU_ISA", "torch's kernels")
 
 
 def why_no_vnni_kernels() -> str | None:

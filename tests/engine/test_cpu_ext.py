@@ -117,28 +117,34 @@ def test_loading_twice_in_one_process_is_harmless():
     assert cpu_ext.available() and cpu_ext.available()
 
 
-@pytest.mark.skipif(not cpu_ext.ISA_NEEDS["avx2"] <= cpu_ext.cpu_flags() or cpu_ext.attention_isa() is None,
+@pytest.mark.skipif(not cpu_ext.ISA_NEEDS["avx2"] <= cpu_features.cpu_flags() or cpu_ext.attention_isa() is None,
                     reason="this CPU lacks AVX2 and FMA (or the C++ attention is switched off)")
 def test_the_attention_built_for_an_avx2_cpu_attends_like_torch():
     """O3EDGE_CPU_ATTN_ISA=avx2 (a real process): the decode attention built for Haswell's instructions, as an
     AVX2-only machine builds it (8-float vectors), passes the span attention's and the router's C++ tests against
     torch's operations, none of them skipped."""
+    probe, run = _tests_in_a_process(
+        "O3EDGE_CPU_ATTN_ISA", "avx2", "cpu_ext.attention_isa(), cpu_ext.attention_available()",
+        ["tests/engine/test_cpu_ext.py::test_span_attention_writes_and_attends_like_the_python_op",
+         "tests/engine/test_router.py::test_decoding_queries_over_both_pools_in_cpu_kernels_match_torch"])
+    assert probe == ["avx2", "True"], run.stdout[-1000:] + run.stderr[-2000:]
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "14 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-1000:]
+
+
+def _tests_in_a_process(var: str, value: str, probe: str, tests: list[str]):
+    """With var=value, in a process of its own: print the Python expression probe (over cpu_ext and cpu_features),
+    then run tests under pytest; (probe's words, the finished process)."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, O3EDGE_CPU_ATTN_ISA="avx2")
-    check = subprocess.run([sys.executable, "-c", "from o3edge.engine import cpu_ext; "
-                            "print(cpu_ext.attention_isa(), cpu_ext.attention_available())"],
-                           env=env, capture_output=True, text=True, timeout=300)
-    assert check.stdout.split() == ["avx2", "True"], check.stderr[-2000:]
-    tests = ["tests/engine/test_cpu_ext.py::test_span_attention_writes_and_attends_like_the_python_op",
-             "tests/engine/test_router.py::test_decoding_queries_over_both_pools_in_cpu_kernels_match_torch"]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
-                         capture_output=True, text=True, timeout=600,
+    script = ("import sys, pytest; from o3edge.engine import cpu_ext, cpu_features; "
+              f"print({probe}, flush=True); sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{tests!r}]))")
+    run = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **{var: value}), capture_output=True,
+                         text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert run.returncode == 0, run.stdout[-3000:]
-    assert "14 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-1000:]
+    return run.stdout.split("\n")[0].split(), run
 
 
 @pytest.mark.parametrize("value", ["off", "sse9", "avx1024"])
@@ -155,19 +161,11 @@ def test_an_attention_width_switched_off_or_unknown_keeps_torchs_operations(valu
 def test_the_row_kernels_built_for_an_avx_vnni_cpu_match_their_dequantized_weights():
     """O3EDGE_CPU_ISA=avxvnni (a real process): the INT8 and INT4 linears built for AVX-VNNI (256-bit vpdpbusd, Alder
     Lake's instructions, as a CPU without AVX-512 builds them) pass the tests above, none of them skipped."""
-    import os
-    import subprocess
-    import sys
-
-    tests = ["tests/engine/test_cpu_ext.py::test_vnni_int8_linear_matches_its_dequantized_weight",
-             "tests/engine/test_cpu_ext.py::test_vnni_int4_linear_matches_its_dequantized_weight"]
-    script = ("import sys, pytest; from o3edge.engine import cpu_ext, cpu_features; "
-              "print(cpu_features.row_kernel_isa(), cpu_ext.available(), flush=True); "
-              f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{tests!r}]))")
-    run = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, O3EDGE_CPU_ISA="avxvnni"),
-                         capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert run.stdout.split("\n")[0].split() == ["avxvnni", "True"], run.stdout[-1000:] + run.stderr[-2000:]
+    probe, run = _tests_in_a_process(
+        "O3EDGE_CPU_ISA", "avxvnni", "cpu_features.row_kernel_isa(), cpu_ext.available()",
+        ["tests/engine/test_cpu_ext.py::test_vnni_int8_linear_matches_its_dequantized_weight",
+         "tests/engine/test_cpu_ext.py::test_vnni_int4_linear_matches_its_dequantized_weight"])
+    assert probe == ["avxvnni", "True"], run.stdout[-1000:] + run.stderr[-2000:]
     assert run.returncode == 0, run.stdout[-3000:]
     assert "15 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-1000:]
 

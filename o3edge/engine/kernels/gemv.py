@@ -1067,8 +1067,9 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
     int4, int8 = scales_and_zeros is not None, scales8 is not None
     N = out_features if int4 else weight.shape[0]
     K = x.shape[1] // 2 if silu else x.shape[1]
-    if M > (MAX_ROWS if config is None else CONFIG_MAX_ROWS) or x.stride(-1) != 1:
-        raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} contiguous rows, got {tuple(x.shape)}")
+    limit = MAX_ROWS if config is None else CONFIG_MAX_ROWS
+    if M > limit or x.stride(-1) != 1:
+        raise ValueError(f"skinny_matmul takes at most {limit} contiguous rows, got {tuple(x.shape)}")
     from o3edge.engine.kernels import num_sms
 
     sms = num_sms(str(x.device))
@@ -1160,11 +1161,10 @@ def skinny_or_dequantized(x: torch.Tensor, out_features: int, skinny, dequantize
     """A quantized linear: x [..., K] -> [..., out_features] in x's dtype. Decode-sized inputs (at most MAX_ROWS
     rows) by skinny(x2) (skinny_matmul on the weight as stored); larger ones (prefill, compute-bound) by cuBLAS on
     dequantized(dtype), the weight dequantized into a scratch matrix (kernels/int4_matmul.py, int8_matmul.py), or
-    with `tiled` by skinny(x2) up to PREFILL_TILE_ROWS rows (its tiling from prefill_tiling)."""
+    by skinny(x2) where `tiled` (a prompt chunk prefill_tiling gave a tiling)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rows = x2.shape[0]
-    y = skinny(x2) if rows <= (PREFILL_TILE_ROWS if tiled else MAX_ROWS) else F.linear(x2, dequantized(x2.dtype))
+    y = skinny(x2) if tiled or x2.shape[0] <= MAX_ROWS else F.linear(x2, dequantized(x2.dtype))
     return y.view(*shape[:-1], out_features)

@@ -9,8 +9,8 @@ one) and bf16 scales_and_zeros [Kp/g, N, 2], W = (q - 8) * scale + zero per grou
   by one streaming kernel (reading a quarter, writing the full size) and multiplied on cuBLAS; with
   O3EDGE_INT4_PREFILL_TILES=1 (off until checked on the GPU), up to gemv.PREFILL_TILE_ROWS rows, the FFN's
   projections run on the skinny kernel's tiles dequantized in registers instead, where those were faster
-  (gemv.prefill_tiling). (The first fused dequantize-in-tile GEMM
-  was 6-25x slower than dequantize + cuBLAS at 128 rows: docs/benchmarks.md.)
+  (gemv.prefill_tiling). (The first fused dequantize-in-tile GEMM was 6-25x slower than dequantize + cuBLAS
+  at 128 rows: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
