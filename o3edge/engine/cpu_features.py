@@ -9,7 +9,7 @@ import platform
 
 log = logging.getLogger(__name__)
 
-VNNI_KERNELS = {"avx512f", "avx512bw", "avx512_vnni"}  # what o3edge's CPU kernels (cpu_kernels.h) use
+VNNI_KERNELS = {"avx512f", "avx512bw", "avx512_vnni"}  # what the AVX-512 build of the row kernels (cpu_kernels.h) uses
 # the instruction sets the row kernels and the native step are built for (cpu_vec.h), widest first: AVX-512 VNNI,
 # and AVX-VNNI (vpdpbusd on 256-bit vectors: Alder Lake and later, Zen 5 client), built with -mbmi2 as well
 ROW_KERNEL_NEEDS = {"avx512": VNNI_KERNELS, "avxvnni": {"avx2", "fma", "f16c", "avx_vnni", "bmi2"}}
