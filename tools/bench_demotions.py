@@ -13,7 +13,8 @@ host waits for), `flush total` the time until the device was done. `--torch-move
 operations instead of the kernel (kernels/kv_quantize.py), to measure against. `--profile` adds the flush's host operations
 under torch.profiler, then on CUDA its kernel path's parts with the device idle before each, and the same parts
 in place as a flush takes them after the books (the flush's host time on the H200's host was 0.83 ms against 0.14
-for the parts: docs/benchmarks.md).
+for the parts: docs/benchmarks.md). With O3EDGE_ROUTER_MOVE_GRAPH=1 (CUDA) the flush replays the router's MoveGraph
+(kernels/kv_quantize.py) instead.
 
   python tools/bench_demotions.py [--device cuda] [--mode int8] [--batch 16] [--context 3840]
                                   [--demotions 170] [--layers 8 --kv-heads 2 --head-dim 64] [--repeat 50]
@@ -163,7 +164,7 @@ def main() -> None:
         if r >= 3:
             for key, dt in (("books", t1 - t0), ("flush host", t2 - t1), ("flush total", t3 - t1)):
                 times[key].append(dt * 1e3)
-    flush = "torch operations" if not router.move_kernel else "kernel"
+    flush = "graph" if router.move_graph is not None else "kernel" if router.move_kernel else "torch operations"
     if a.profile:  # the flush's host operations by their own time
         from torch.profiler import ProfilerActivity, profile
 

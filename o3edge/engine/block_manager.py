@@ -51,7 +51,7 @@ def token_bytes(seq: Sequence, lo: int, hi: int) -> bytes:
     return array("i", seq.token_ids[lo:hi]).tobytes()
 
 
-@dataclass
+@dataclass(slots=True)  # attribute reads and writes without an instance dict: the books touch them per block
 class Block:
     block_id: int
     ref_count: int = 0

@@ -351,6 +351,10 @@ class KVRouter:
         # interpreter (router_graph.py turns it on)
         self.move_kernel = self.device.type == "cuda" and os.environ.get("O3EDGE_ROUTER_MOVE_KERNEL") != "0"
         self.stage = None  # the kernel's ids go to the device through it (kv_quantize.PinnedStage), on CUDA
+        # moves by one CUDA graph replay (kv_quantize.MoveGraph), made at warm_up: off unless
+        # O3EDGE_ROUTER_MOVE_GRAPH=1 until it is measured on the GPU (a flush's host time was the demoting
+        # step's largest part on the H200's host: docs/benchmarks.md)
+        self.move_graph = None
         # a step's CPU decoding queries over both pools in one C++ call a layer (cpu_router.cpp) where that C++
         # reads the cache (native_decode; O3EDGE_ROUTER_NATIVE=0: torch operations, to measure against)
         self.native = native_decode(kv_cache)
@@ -370,10 +374,14 @@ class KVRouter:
         if self.device.type != "cuda":
             return
         if self.move_kernel:
-            from o3edge.engine.kernels.kv_quantize import quantize_blocks
+            from o3edge.engine.kernels.kv_quantize import MoveGraph, moves_a_replay, quantize_blocks
 
             quantize_blocks(self.kv_cache, torch.zeros(1, dtype=torch.long, device=self.device), self.block_size,
                             self.cfg.mode, self.rotation)
+            if os.environ.get("O3EDGE_ROUTER_MOVE_GRAPH") == "1":
+                n = moves_a_replay(self.num_layers, self.block_size, self.kv_heads, self.head_dim, self.cfg.mode)
+                self.move_graph = MoveGraph(self.kv_cache, self.codes, self.scales, self.block_size, self.cfg.mode,
+                                            self.rotation, n, capture=True)
         if not self.observing or self.cfg.select != "tokens":
             return
         for n in sorted({min(self.books.max_len, 4096), self.books.max_len}):
@@ -384,11 +392,12 @@ class KVRouter:
         return block_id >= self.num_full_blocks
 
     # ---- blocks (called by router_blocks.RouterBlocks) ---------------------------------------
-    def move(self, block_id: int, comp: int) -> None:
-        """Queue a demotion's data: full-precision block block_id's K/V, quantized, into compressed block
-        comp. flush_moves carries out every move queued in one quantization; it runs before a step's
-        kernels read the pools and before a freed block is handed out again (router_blocks.py)."""
-        self.moves.append((block_id, comp))
+    def move(self, pairs: list[tuple[int, int]]) -> None:
+        """Queue demotions' data: for each (block_id, comp), full-precision block block_id's K/V, quantized,
+        into compressed block comp. flush_moves carries out every move queued in one quantization; it runs
+        before a step's kernels read the pools and before a freed block is handed out again
+        (router_blocks.py)."""
+        self.moves += pairs
 
     def flush_moves(self) -> None:
         """Carry out the queued moves: every source block gathered (a copy) before any is written, so a
@@ -403,6 +412,10 @@ class KVRouter:
     @torch.inference_mode()
     def _quantize_moves(self) -> None:
         bs = self.block_size
+        if self.move_graph is not None:
+            moves, self.moves = np.array(self.moves, dtype=np.int64), []
+            self.move_graph.move(moves)
+            return
         if self.move_kernel:
             from o3edge.engine.kernels.kv_quantize import PinnedStage, move_blocks
 

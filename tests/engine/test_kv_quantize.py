@@ -51,28 +51,38 @@ def test_blocks_are_quantized_as_kv_quant_does(mode, shape):
     assert float(scales[0, 1, 0].abs().max()) == 0 and int(codes[0, 1, 0].abs().max()) == 0
 
 
+def routers_after_flushes(kv, mode, bs, nblocks, path, capacity=4):
+    """A router over a copy of kv after two flushes: blocks 2 and 5 (5 demoted in place, so that its own bytes
+    host compressed blocks 5 * per_host ..., and 2 packed into its next slot, queued first), then block 3.
+    path: "torch" (torch operations), "kernel" (move_blocks) or "graph" (MoveGraph, capacity moves a
+    replay: captured on CUDA, its operations one by one here)."""
+    from o3edge.engine.kernels.kv_quantize import MoveGraph
+
+    router = KVRouter(RouterConfig(mode), kv.clone(), nblocks, bs, 1)
+    router.move_kernel = path != "torch"
+    if path == "graph":
+        router.move_graph = MoveGraph(router.kv_cache, router.codes, router.scales, bs, mode, router.rotation,
+                                      capacity, capture=router.device.type == "cuda")
+    c = 5 * router.per_host
+    router.move([(2, c + 1)])
+    router.move([(5, c)])
+    router.flush_moves()
+    router.move([(3, c + 2)])  # a second flush (on CUDA its ids reuse the pinned buffer of the first)
+    router.flush_moves()
+    assert not router.moves
+    return router
+
+
+@pytest.mark.parametrize("path", ["kernel", "graph"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_a_flush_reads_every_source_before_writing_into_a_host(mode):
-    """Block 5 demoted in place (its own bytes host compressed blocks 5 * per_host ...) and block 2 into its
-    next slot, queued with block 2 first: whatever order the kernel's programs run in, block 5 is read
-    before block 2's codes land in its bytes, and the pools end as the torch operations leave them; so
-    does block 3, moved by a second flush."""
+def test_a_flush_reads_every_source_before_writing_into_a_host(mode, path):
+    """Whatever order the kernels' programs run in, block 5 is read before block 2's codes land in its bytes,
+    and the pools end as the torch operations leave them; so does block 3, moved by a second flush."""
     torch.manual_seed(1)
     L, bs, H, D, nblocks = 2, 16, 2, 64, 8
     kv = torch.randn(L, 2, (nblocks + 1) * bs, H, D).to(DEV)
-    routers = []
-    for kernel in (False, True):
-        router = KVRouter(RouterConfig(mode), kv.clone(), nblocks, bs, 1)
-        router.move_kernel = kernel
-        c = 5 * router.per_host
-        router.move(2, c + 1)
-        router.move(5, c)
-        router.flush_moves()
-        router.move(3, c + 2)  # a second flush (on CUDA its ids reuse the pinned buffer of the first)
-        router.flush_moves()
-        assert not router.moves
-        routers.append(router)
-    torch_path, kernel = routers
+    torch_path = routers_after_flushes(kv, mode, bs, nblocks, "torch")
+    kernel = routers_after_flushes(kv, mode, bs, nblocks, path)
     host = slice(5 * bs, 6 * bs)
     assert not torch.equal(kernel.kv_cache[:, :, host], kv[:, :, host])  # codes went into block 5's bytes
     assert torch.equal(kernel.kv_cache[:, :, :5 * bs], kv[:, :, :5 * bs])  # nothing else was written
@@ -86,6 +96,48 @@ def test_a_flush_reads_every_source_before_writing_into_a_host(mode):
         want = kv[:, :, block * bs:(block + 1) * bs].float()
         err = (back - want).abs().amax().item() / want.abs().amax().item()
         assert err < (0.01 if mode == "int8" else 0.25), err
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_move_graph_carries_more_moves_than_a_replay_holds(mode):
+    """Nine demotions by the block books (the first in place, the next ones into its free slots, then another
+    in place when they run out), flushed through a MoveGraph of two moves a replay: five replays in turn (the
+    host buffers reused), the pools as the torch operations leave them, and the blocks hosting no codes
+    untouched."""
+    from o3edge.engine.kernels.kv_quantize import MoveGraph
+    from o3edge.engine.router_blocks import RouterBlocks
+    from o3edge.engine.sequence import SamplingParams, Sequence
+
+    torch.manual_seed(2)
+    L, bs, H, D, nblocks = 2, 16, 2, 64, 12
+    kv = torch.randn(L, 2, (nblocks + 1) * bs, H, D).to(DEV)
+    out = []
+    for path in ("torch", "graph"):
+        router = KVRouter(RouterConfig(mode), kv.clone(), nblocks, bs, 1)
+        router.move_kernel = path == "graph"
+        if path == "graph":
+            router.move_graph = MoveGraph(router.kv_cache, router.codes, router.scales, bs, mode, router.rotation,
+                                          2, capture=router.device.type == "cuda")
+        books = RouterBlocks(nblocks, bs, "test", False, router.per_host)
+        books.demoter = router
+        seq = Sequence("s", list(range(11 * bs)), SamplingParams())
+        books.allocate(seq)
+        assert books.demote_all(seq, [3, 0, 7, 1, 9, 2, 8, 4, 6]) == 9
+        moves = list(router.moves)
+        router.flush_moves()
+        assert not router.moves
+        out.append((router, moves))
+    (want, moves), (got, moves_got) = out
+    assert moves == moves_got
+    hosts = {comp // got.per_host for _, comp in moves}
+    assert len(hosts) >= 2, moves  # in place more than once (per_host slots ran out)
+    for _, comp in moves:
+        rows = slice(comp * bs, (comp + 1) * bs)
+        assert_same_codes(mode, got.codes[:, :, rows], got.scales[:, :, rows], want.codes[:, :, rows],
+                          want.scales[:, :, rows])
+    for b in set(range(nblocks + 1)) - hosts:  # a block hosting no codes keeps its bytes
+        rows = slice(b * bs, (b + 1) * bs)
+        assert torch.equal(got.kv_cache[:, :, rows], kv[:, :, rows]), b
 
 
 def test_no_moves_give_empty_codes_and_scales():

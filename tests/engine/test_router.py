@@ -171,7 +171,7 @@ def test_covering_blocks_keep_the_fewest_blocks_that_cover_the_threshold():
 
 def demote_by_hand(router, block_id, comp):
     """Quantize full-precision block block_id into compressed block comp; its id in a table becomes this."""
-    router.move(block_id, comp)
+    router.move([(block_id, comp)])
     router.flush_moves()
     return router.num_full_blocks + comp
 

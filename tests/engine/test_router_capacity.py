@@ -69,7 +69,7 @@ def test_a_large_flush_goes_a_few_layers_at_a_time_and_reads_every_source_first(
     assert router.per_host == 4 and not router.move_kernel  # the torch path, as on every CPU engine
     moves = [(k, (k // 4) * 4 + k % 4) for k in range(24)]
     for source, comp in sorted(moves, key=lambda m: m[0] % 4 == 0):  # hosts' own moves last
-        router.move(source, comp)
+        router.move([(source, comp)])
     router.flush_moves()
     for source, comp in moves:
         want_codes, want_scales = quantize(original[:, :, source * bs:(source + 1) * bs], "int8")

@@ -117,7 +117,7 @@ def test_a_refresh_routed_in_one_graph_demotes_what_the_operations_one_by_one_do
         runner.graphs = RouterDecodeGraphs(runner, 4, capture=False)
         runner.graphs.routes = routes
         demoted = []
-        m.engine.blocks.demote = _counting(m.engine.blocks.demote, demoted)
+        m.engine.blocks.demote_all = _counting(m.engine.blocks.demote_all, demoted)
         outs = {}
         for i, n in enumerate((16, 8, 13)):  # sequences end between refreshes and at one
             m.engine.add_request(str(i), m.engine.encode(PROMPT + f"What is module {i}?"),
@@ -131,12 +131,13 @@ def test_a_refresh_routed_in_one_graph_demotes_what_the_operations_one_by_one_do
     assert outs0 == outs1 and demoted0 == demoted1 and len(demoted1) > 0
 
 
-def _counting(demote, log):
-    def wrapper(seq, i):
-        done = demote(seq, i)
-        if done:
-            log.append((seq.request_id, i, seq.num_computed_tokens))
-        return done
+def _counting(demote_all, log):
+    """demote_all, logging (request, table index, tokens computed) of each block it moved."""
+    def wrapper(seq, indices):
+        before = list(seq.block_table)
+        moved = demote_all(seq, indices)
+        log.extend((seq.request_id, i, seq.num_computed_tokens) for i in indices if seq.block_table[i] != before[i])
+        return moved
     return wrapper
 
 

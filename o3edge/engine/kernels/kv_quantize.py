@@ -29,17 +29,24 @@ ELEMENTS = 4096  # values a program quantizes at a time (tokens x padded heads x
 
 
 @triton.jit(do_not_specialize=["n_moves"])  # one compiled kernel whatever the number of moves (warm_up's)
-def _quantize_blocks_kernel(kv_ptr, src_ptr, rot_ptr, codes_ptr, scales_ptr, stride_plane, n_moves,
+def _quantize_blocks_kernel(kv_ptr, src_ptr, rot_ptr, codes_ptr, scales_ptr, stride_plane, n_moves, count_ptr,
                             BS: tl.constexpr, TOK: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
                             D: tl.constexpr, DP: tl.constexpr, QMAX: tl.constexpr, INT4: tl.constexpr,
-                            ROUND: tl.constexpr, TINY: tl.constexpr):
+                            ROUND: tl.constexpr, TINY: tl.constexpr, COUNTED: tl.constexpr):
     """Program (m, plane): move m's source block in KV plane `plane` (layer * 2 + K/V), TOK tokens at a time.
-    Scratch layout: codes [planes, n_moves * BS, H, D or D / 2], scales [planes, n_moves * BS, H]."""
+    Scratch layout: codes [planes, n_moves * BS, H, D or D / 2], scales [planes, n_moves * BS, H]. COUNTED:
+    only the first count_ptr[0] of the n_moves moves are real (a captured graph's fixed grid); the rest do
+    nothing."""
     m, plane = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)  # offsets past 2**31 in a big pool
-    block = tl.load(src_ptr + m).to(tl.int64)
     r = tl.arange(0, TOK * HP)
     h, d = r % HP, tl.arange(0, DP)
-    row_ok = h < H
+    if COUNTED:
+        live = m < tl.load(count_ptr)
+        block = tl.load(src_ptr + m, mask=live, other=0).to(tl.int64)
+        row_ok = (h < H) & live
+    else:
+        block = tl.load(src_ptr + m).to(tl.int64)
+        row_ok = h < H
     mask = row_ok[:, None] & (d < D)[None, :]
     if INT4:
         rot = tl.load(rot_ptr + d[:, None] * D + d[None, :], mask=(d < D)[:, None] & (d < D)[None, :], other=0.0)
@@ -91,15 +98,27 @@ def quantize_blocks(kv: torch.Tensor, src: torch.Tensor, block_size: int, mode: 
     scales = torch.empty(L, 2, n * block_size, H, device=kv.device, dtype=torch.float16)
     if n == 0:
         return codes, scales
-    rot = rotation.float().contiguous() if int4 and rotation is not None else None
-    if int4 and rot is None:
-        rot = torch.eye(D, device=kv.device)
-    tok = tokens_a_program(block_size, H, D)
-    _quantize_blocks_kernel[(n, L * 2)](
-        kv, src, rot, codes, scales, slots * H * D, n, BS=block_size, TOK=tok, H=H, HP=triton.next_power_of_2(H),
-        D=D, DP=triton.next_power_of_2(D), QMAX=QMAX[mode], INT4=int4, ROUND=ROUND,
-        TINY=float(torch.finfo(torch.float16).tiny), num_warps=4)
+    rot = _rotation(kv, mode, rotation)
+    _launch_quantize(kv, src, rot, codes, scales, n, None, block_size, mode)
     return codes, scales
+
+
+def _rotation(kv: torch.Tensor, mode: str, rotation: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernel's rotation operand: INT4's Hadamard in float32 (the identity without one), None for INT8."""
+    if mode != "int4":
+        return None
+    return rotation.float().contiguous() if rotation is not None else torch.eye(kv.shape[-1], device=kv.device)
+
+
+def _launch_quantize(kv, src, rot, codes, scales, n: int, count: torch.Tensor | None, block_size: int,
+                     mode: str) -> None:
+    """The quantizing kernel over n moves (count: only its first count[0] real, on the device)."""
+    L, _, slots, H, D = kv.shape
+    _quantize_blocks_kernel[(n, L * 2)](
+        kv, src, rot, codes, scales, slots * H * D, n, src if count is None else count, BS=block_size,
+        TOK=tokens_a_program(block_size, H, D), H=H, HP=triton.next_power_of_2(H), D=D,
+        DP=triton.next_power_of_2(D), QMAX=QMAX[mode], INT4=mode == "int4", ROUND=ROUND,
+        TINY=float(torch.finfo(torch.float16).tiny), COUNTED=count is not None, num_warps=4)
 
 
 class PinnedStage:
@@ -136,3 +155,100 @@ def move_blocks(kv: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mov
     c, s = quantize_blocks(kv, ids[:n], bs, mode, rotation)
     codes.index_copy_(2, ids[n:], c)
     scales.index_copy_(2, ids[n:], s)
+
+
+@triton.jit
+def _place_blocks_kernel(src_codes_ptr, src_scales_ptr, dst_ptr, count_ptr, codes_ptr, scales_ptr,
+                         codes_plane, scales_plane, n_moves, ROW: tl.constexpr, SROW: tl.constexpr,
+                         CHUNK: tl.constexpr, SCHUNK: tl.constexpr):
+    """Program (m, plane): move m's codes (ROW bytes a block and plane) and scales (SROW values) from the
+    scratch ([planes, n_moves, ROW] and [planes, n_moves, SROW]) to compressed block dst_ptr[m] of the pool
+    (planes codes_plane and scales_plane elements apart); nothing when m is past count_ptr[0]."""
+    m, plane = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    if m < tl.load(count_ptr):
+        dst = tl.load(dst_ptr + m).to(tl.int64)
+        src = (plane * n_moves + m) * ROW
+        out = plane * codes_plane + dst * ROW
+        for off in tl.static_range(0, ROW, CHUNK):
+            i = off + tl.arange(0, CHUNK)
+            tl.store(codes_ptr + out + i, tl.load(src_codes_ptr + src + i, mask=i < ROW), mask=i < ROW)
+        src = (plane * n_moves + m) * SROW
+        out = plane * scales_plane + dst * SROW
+        for off in tl.static_range(0, SROW, SCHUNK):
+            i = off + tl.arange(0, SCHUNK)
+            tl.store(scales_ptr + out + i, tl.load(src_scales_ptr + src + i, mask=i < SROW), mask=i < SROW)
+
+
+def moves_a_replay(num_layers: int, block_size: int, heads: int, head_dim: int, mode: str,
+                   scratch_bytes: int = 16 << 20) -> int:
+    """Moves one MoveGraph replay carries (its scratch holds that many blocks' codes and scales): as many as
+    scratch_bytes hold, between 16 and 256 (the built-in long model: 248, llama-1b: 31)."""
+    per_move = num_layers * 2 * block_size * heads * ((head_dim // 2 if mode == "int4" else head_dim) + 2)
+    return max(16, min(256, scratch_bytes // per_move))
+
+
+class MoveGraph:
+    """A flush's demotions as one CUDA graph replay for every `capacity` moves (O3EDGE_ROUTER_MOVE_GRAPH=1),
+    instead of move_blocks' ids copy, two scratch allocations, the kernel's launch and two index copies
+    (on the H200's host a flush of ~170 moves took 0.72-0.83 ms of host time that way, the GPU idle meanwhile:
+    docs/benchmarks.md). The graph copies a pinned host buffer (the number of moves, the sources, the
+    destinations) to the device, quantizes the sources into a scratch that lives with it, then places the
+    codes and scales: every source of a replay read before any of its destinations is written, as
+    move_blocks does. Replays run in stream order, so a later one's sources, never a block hosting codes
+    (those are demoted already), are read after an earlier one's writes without harm. Two host buffers, used in
+    turn, each written again only once the device has read it (an event). Without capture (CPU tests under
+    Triton's interpreter) the same three operations run one by one."""
+
+    def __init__(self, kv: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_size: int, mode: str,
+                 rotation: torch.Tensor | None, capacity: int, capture: bool):
+        L, _, _, H, D = kv.shape
+        self.kv, self.codes, self.scales, self.bs, self.mode = kv, codes, scales, block_size, mode
+        self.capacity, cuda = capacity, kv.device.type == "cuda"
+        self.rot = _rotation(kv, mode, rotation)
+        self.ids = torch.zeros(1 + 2 * capacity, dtype=torch.int64, device=kv.device)  # count, sources, dests
+        self.host = [torch.zeros(1 + 2 * capacity, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.read: list = [None, None]
+        self.scratch_codes = torch.empty(L, 2, capacity * block_size, H, codes.shape[-1], dtype=codes.dtype,
+                                         device=kv.device)
+        self.scratch_scales = torch.empty(L, 2, capacity * block_size, H, dtype=scales.dtype, device=kv.device)
+        self.replays = 0
+        self.graphs = None
+        if capture:
+            from o3edge.engine.cuda_graph import capture_graphs
+
+            self.graphs = capture_graphs([0, 1], self._run, "router demotion", error_mode="thread_local")
+
+    @torch.inference_mode()
+    def _run(self, parity: int) -> tuple:
+        """The device's part of a replay from host buffer `parity` (captured, or run as it is)."""
+        n, bs = self.capacity, self.bs
+        self.ids.copy_(self.host[parity], non_blocking=True)
+        count, src, dst = self.ids[:1], self.ids[1:1 + n], self.ids[1 + n:]
+        _launch_quantize(self.kv, src, self.rot, self.scratch_codes, self.scratch_scales, n, count, bs, self.mode)
+        L, _, _, H, cd = self.codes.shape
+        row, srow = bs * H * cd, bs * H
+        _place_blocks_kernel[(n, L * 2)](
+            self.scratch_codes, self.scratch_scales, dst, count, self.codes, self.scales, self.codes.stride(1),
+            self.scales.stride(1), n, ROW=row, SROW=srow, CHUNK=min(4096, triton.next_power_of_2(row)),
+            SCHUNK=min(1024, triton.next_power_of_2(srow)), num_warps=4)
+        return ()
+
+    def move(self, moves: np.ndarray) -> None:
+        """Quantize full-precision blocks moves[:, 0] into compressed blocks moves[:, 1] (int64 [n, 2])."""
+        for lo in range(0, len(moves), self.capacity):
+            chunk = moves[lo:lo + self.capacity]
+            parity, k = self.replays % 2, len(chunk)
+            self.replays += 1
+            if self.read[parity] is not None:
+                self.read[parity].synchronize()
+            host = self.host[parity].numpy()
+            host[0] = k
+            host[1:1 + k] = chunk[:, 0]
+            host[1 + self.capacity:1 + self.capacity + k] = chunk[:, 1]
+            if self.graphs is not None:
+                self.graphs[parity][0].replay()
+            else:
+                self._run(parity)
+            if self.kv.device.type == "cuda":
+                self.read[parity] = torch.cuda.Event()
+                self.read[parity].record()
