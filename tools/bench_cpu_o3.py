@@ -27,6 +27,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from o3edge.engine import cpu_features  # noqa: E402  (no torch: the native backend's process never imports it)
+
+# what holds o3edge's kernels, and torch's, MKL's, oneDNN's and NumPy's, to an instruction set (recorded in each JSON)
+ISA_ENV = ("O3EDGE_CPU_ISA", "O3EDGE_CPU_ATTN_ISA", "O3EDGE_CPU_KERNELS", "ATEN_CPU_CAPABILITY",
+           "FBGEMM_ENABLE_INSTRUCTIONS", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "NPY_DISABLE_CPU_FEATURES")
+
 
 def one_run(engine, prompt: list[int], new: int, rid: str, sampling: dict | None = None) -> dict:
     from o3edge.engine.sequence import SamplingParams
@@ -114,7 +120,8 @@ def main() -> None:
                load_s=load_s, cpu_compile=a.compile, cpu_native_step=not a.no_native, step=step_kind(engine), rss_after_load_mb=rss_after_load, peak_rss_mb=peak,
                loadavg_start=load0, loadavg_end=os.getloadavg(), backend=a.backend, torch_loaded="torch" in sys.modules,
                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), gomp_spincount=os.environ.get("GOMP_SPINCOUNT"),
-               sampling=sampling, summary=summary, runs=runs)
+               sampling=sampling, summary=summary, runs=runs, row_kernel_isa=cpu_features.row_kernel_isa(),
+               isa_env={k: os.environ.get(k) for k in ISA_ENV})
     if "torch" in sys.modules:
         import torch
 

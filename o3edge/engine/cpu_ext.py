@@ -6,8 +6,9 @@ columns to int8 on entry; weights laid out 16 rows at a time, so one 64-byte loa
 library holds the native decode step (cpu_step.cpp, `torch.classes.o3edge_cpu.DecodeModel`, see cpu_step.py),
 which runs the row kernels of cpu_kernels.h for a whole step. Built for cpu_features.row_kernel_isa(): AVX-512
 VNNI (for this machine, -march=native), else AVX-VNNI (the same code on two 256-bit halves, cpu_vec.h; compiled
-for Alder Lake's instructions, not for this machine); O3EDGE_CPU_ISA=avx512|avxvnni picks one where the CPU has
-it. `available()`: where one of the two builds and runs.
+for Alder Lake's instructions, not for this machine), else AVX2 (the halves again, vpdpbusd's byte products made of
+vpmaddubsw and vpmaddwd; compiled for Haswell's instructions); O3EDGE_CPU_ISA=avx512|avxvnni|avx2 picks one where
+the CPU has it. `available()`: where one of them builds and runs.
 
 The decode attention (cpu_span.cpp, cpu_router.cpp, their loops in cpu_attend.h): `span_attention` (a decode
 step's KV write and attention over each sequence's live prefix, no Python per call) and `router_decode_attention`
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from o3edge.engine.cpu_features import AVXVNNI_FLAGS, choose_isa, row_kernel_isa, why_no_vnni_kernels
+from o3edge.engine.cpu_features import NARROW_FLAGS, choose_isa, row_kernel_isa, why_no_vnni_kernels
 from o3edge.paths import user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,8 @@ ISA_NEEDS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}  # what each attent
 
 def row_flags(isa: str | None) -> list[str]:
     """g++ flags of the row kernels and the step for row_kernel_isa()'s isa (None: the AVX-512 VNNI ones)."""
-    if isa == "avxvnni":
-        return ["-O3", "-fopenmp", *AVXVNNI_FLAGS, "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", *_PROFILE]
+    if isa in NARROW_FLAGS:
+        return ["-O3", "-fopenmp", *NARROW_FLAGS[isa], "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", *_PROFILE]
     return [*_AVX512, *_PROFILE]
 
 
@@ -72,7 +73,7 @@ def build_dir(sources: list[Path] = SOURCES, flags: list[str] | None = None) -> 
 def attention_isa() -> str | None:
     """The vector width the attention library is built for: "avx512" or "avx2" (the widest this x86-64 CPU has,
     or O3EDGE_CPU_ATTN_ISA's where the CPU has it), None where it is not built (O3EDGE_CPU_ATTN_ISA=off,
-    O3EDGE_CPU_KERNELS=torch, a CPU with neither, or not x86-64: torch's operations there)."""
+    O3EDGE_CPU_KERNELS=torch, a CPU with neither width, or not x86-64: torch's operations there)."""
     if os.environ.get("O3EDGE_CPU_ATTN_ISA") == "off":
         return None
     return choose_isa(ISA_NEEDS, "O3EDGE_CPU_ATTN_ISA", "torch's operations", also=("off",), logger=log)

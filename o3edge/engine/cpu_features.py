@@ -11,11 +11,15 @@ log = logging.getLogger(__name__)
 
 VNNI_KERNELS = {"avx512f", "avx512bw", "avx512_vnni"}  # what the AVX-512 build of the row kernels (cpu_kernels.h) uses
 # the instruction sets the row kernels and the native step are built for (cpu_vec.h), widest first: AVX-512 VNNI,
-# and AVX-VNNI (vpdpbusd on 256-bit vectors: Alder Lake and later, Zen 5 client), built with -mbmi2 as well
-ROW_KERNEL_NEEDS = {"avx512": VNNI_KERNELS, "avxvnni": {"avx2", "fma", "f16c", "avx_vnni", "bmi2"}}
-# g++ flags of the AVX-VNNI build (cpu_ext.py, native_lib.py): Alder Lake's instructions, not -march=native, so a
-# machine with more builds exactly what one without AVX-512 runs
+# AVX-VNNI (vpdpbusd on 256-bit vectors: Alder Lake and later, Zen 5 client), built with -mbmi2 as well, and AVX2
+# (the byte dot products made of vpmaddubsw and vpmaddwd: Haswell to Comet Lake, Zen 1-3)
+ROW_KERNEL_NEEDS = {"avx512": VNNI_KERNELS, "avxvnni": {"avx2", "fma", "f16c", "avx_vnni", "bmi2"},
+                    "avx2": {"avx2", "fma", "f16c"}}
+# g++ flags of the AVX-VNNI and AVX2 builds (cpu_ext.py, native_lib.py): those instructions, not -march=native, so a
+# machine with more builds exactly what one without runs
 AVXVNNI_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mbmi2", "-DO3_AVXVNNI"]
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DO3_AVX2"]
+NARROW_FLAGS = {"avxvnni": AVXVNNI_FLAGS, "avx2": AVX2_FLAGS}  # the builds other than AVX-512's
 
 
 @functools.cache
@@ -61,10 +65,10 @@ def choose_isa(needs: dict[str, set[str]], env: str, fallback: str, also: tuple[
 
 
 def row_kernel_isa() -> str | None:
-    """The instruction set o3edge's row kernels and native step are built for: "avx512" (AVX-512 VNNI) or
-    "avxvnni" (AVX-VNNI), the widest this x86-64 CPU has, or O3EDGE_CPU_ISA's where the CPU has it; None where
-    none runs (O3EDGE_CPU_KERNELS=torch, a CPU with neither, not x86-64, or an O3EDGE_CPU_ISA o3edge does not
-    know or this CPU lacks: logged; torch's kernels there)."""
+    """The instruction set o3edge's row kernels and native step are built for: "avx512" (AVX-512 VNNI), "avxvnni"
+    (AVX-VNNI) or "avx2", the widest this x86-64 CPU has, or O3EDGE_CPU_ISA's where the CPU has it; None where
+    none runs (O3EDGE_CPU_KERNELS=torch, a CPU without AVX2 and FMA, not x86-64, or an O3EDGE_CPU_ISA o3edge does
+    not know or this CPU lacks: logged; torch's kernels there)."""
     return choose_isa(ROW_KERNEL_NEEDS, "O3EDGE_CPU_ISA", "torch's kernels")
 
 

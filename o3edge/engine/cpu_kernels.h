@@ -1,6 +1,7 @@
 // o3edge's VNNI row kernels, shared by the per-layer operators (cpu_kernels.cpp) and the decode step (cpu_core.cpp).
 // Free of ATen: the step is also built without torch (native_lib.py), so bf16 travels as its uint16 bits.
-// Written once for 16 lanes (cpu_vec.h): one AVX-512 VNNI vector, or two AVX-VNNI halves (O3_AVXVNNI).
+// Written once for 16 lanes (cpu_vec.h): one AVX-512 VNNI vector, or two AVX-VNNI halves (O3_AVXVNNI), or two AVX2
+// halves whose byte dot products are made of vpmaddubsw and vpmaddwd (O3_AVX2).
 #pragma once
 #include "cpu_vec.h"
 
@@ -46,6 +47,24 @@ static inline void int4_rows(const uint8_t* wb, const int8_t* xq, const float* x
     vi16 ai[MB], bi[MB];  // low and high nibbles: two independent vpdpbusd chains (or one: kOneChainRows)
     for (int i = 0; i < MB; ++i) ai[i] = bi[i] = vzeroi();
     const uint8_t* w = wb + g * per_group * 64;
+#ifdef O3_AVX2
+    // AVX2: the int16 pair sums of up to four k-octets (eight vpmaddubsw, each pair at most 2 * 15 * 127 in
+    // magnitude: 30,480 in all, below int16's limit) added before one widening, instead of widening each
+    for (int64_t o0 = 0; o0 < per_group; o0 += 4) {
+      vi16 p[MB];
+      for (int i = 0; i < MB; ++i) p[i] = vzeroi();
+      for (int64_t o = o0; o < std::min(per_group, o0 + 4); ++o) {
+        const vi16 v = vloadi(w + o * 64);
+        const vi16 lo = vand(v, mask);
+        const vi16 hi = vand(vsrli16<4>(v), mask);
+        for (int i = 0; i < MB; ++i) {
+          const int32_t* xg = reinterpret_cast<const int32_t*>(xq + (m0 + i) * Kp) + (g * per_group + o) * 2;
+          p[i] = vadd16(p[i], vadd16(vmaddubs(lo, vseti(xg[0])), vmaddubs(hi, vseti(xg[1]))));
+        }
+      }
+      for (int i = 0; i < MB; ++i) ai[i] = vwiden(ai[i], p[i]);
+    }
+#else
     for (int64_t o = 0; o < per_group; ++o) {
       const vi16 v = vloadi(w + o * 64);
       const vi16 lo = vand(v, mask);
@@ -60,6 +79,7 @@ static inline void int4_rows(const uint8_t* wb, const int8_t* xq, const float* x
         }
       }
     }
+#endif
     if (!kOneChain)
       for (int i = 0; i < MB; ++i) ai[i] = vadd(ai[i], bi[i]);
     const vf16 sc = vload_bf16(sp + g * N + rb * 16);
@@ -82,7 +102,7 @@ static inline void int4_rows(const uint8_t* wb, const int8_t* xq, const float* x
 // Weight layout: packed int8 [N/16, K/4, 64]: byte r*4 + j of row block rb and k-quad o is w[rb*16+r][4o+j].
 // wsum int32 [K/G, N]: per group sums of the row's int8 weights; scales float32 [N]: w ~ q * scale[row].
 // Activations are quantized per group of G columns to int8 and fed to vpdpbusd as x + 128 (unsigned); the
-// 128 * sum(w) that adds is taken out per group.
+// 128 * sum(w) that adds is taken out per group (on AVX2 the byte products are of x itself: kDotBiased, cpu_vec.h).
 template <int MB>
 static inline void int8_rows(const int8_t* wb, const uint8_t* xu, const float* xs, const int32_t* ws,
                              const float* sp, float* op, int64_t m0, int64_t rb, int64_t N, int64_t K, int64_t NG,
@@ -99,11 +119,11 @@ static inline void int8_rows(const int8_t* wb, const uint8_t* xu, const float* x
       const vi16 w0 = vloadi(w + o * 64), w1 = vloadi(w + o * 64 + 64);
       for (int i = 0; i < MB; ++i) {
         const int32_t* xg = reinterpret_cast<const int32_t*>(xu + (m0 + i) * K) + g * per_group + o;
-        a0[i] = vdpbusd(a0[i], vseti(xg[0]), w0);
+        a0[i] = vdot_u8s8(a0[i], vseti(xg[0]), w0);
         if (kOneChain) {
-          a0[i] = vdpbusd(a0[i], vseti(xg[1]), w1);
+          a0[i] = vdot_u8s8(a0[i], vseti(xg[1]), w1);
         } else {
-          a1[i] = vdpbusd(a1[i], vseti(xg[1]), w1);
+          a1[i] = vdot_u8s8(a1[i], vseti(xg[1]), w1);
         }
       }
     }
@@ -111,12 +131,13 @@ static inline void int8_rows(const int8_t* wb, const uint8_t* xu, const float* x
       const vi16 w0 = vloadi(w + o * 64);
       for (int i = 0; i < MB; ++i) {
         const int32_t* xg = reinterpret_cast<const int32_t*>(xu + (m0 + i) * K) + g * per_group + o;
-        a0[i] = vdpbusd(a0[i], vseti(xg[0]), w0);
+        a0[i] = vdot_u8s8(a0[i], vseti(xg[0]), w0);
       }
     }
-    const vi16 corr = vslli32<7>(vloadi(ws + g * N + rb * 16));
+    const vi16 corr = kDotBiased ? vslli32<7>(vloadi(ws + g * N + rb * 16)) : vzeroi();
     for (int i = 0; i < MB; ++i) {
-      const vi16 a = vsub(kOneChain ? a0[i] : vadd(a0[i], a1[i]), corr);
+      const vi16 sum = kOneChain ? a0[i] : vadd(a0[i], a1[i]);
+      const vi16 a = kDotBiased ? vsub(sum, corr) : sum;
       acc[i] = vfmadd(vcvtf(a), vsetf(xs[(m0 + i) * NG + g]), acc[i]);
     }
   }

@@ -7,7 +7,8 @@ kernel, and the layout it wants, is picked when the engine loads (`pick_int8_ker
 - "vnni": o3edge's own VNNI kernel (cpu_ext.py, cpu_kernels.cpp): activations quantized to int8
   per group of 32 columns, weights 16 rows per 64-byte load; no Python between the operator and the loop,
   traceable by torch.compile. Fastest here at decode row counts and closer to float32 than fbgemm (finer
-  activation scales); taken where the CPU has AVX-512 VNNI or AVX-VNNI and the kernels build.
+  activation scales); taken where the CPU has AVX-512 VNNI, AVX-VNNI or AVX2 (its byte products made of
+  vpmaddubsw and vpmaddwd, exact: cpu_vec.h) and the kernels build.
 - "fbgemm": torch's `quantized::linear_dynamic` (fbgemm, x86): activations are quantized per tensor
   to uint8 on the fly, int8 GEMM, float32 out. Fastest here at every row count (tools/bench_cpu_kernels.py).
   On CPUs without VNNI it runs with `reduce_range` (7-bit activations): its AVX2 path adds pairs of

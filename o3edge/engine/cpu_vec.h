@@ -1,15 +1,23 @@
-// o3edge's CPU vectors: 16 float or int32 lanes, the width of the row kernels' 16-row weight blocks, on the two
+// o3edge's CPU vectors: 16 float or int32 lanes, the width of the row kernels' 16-row weight blocks, on the three
 // instruction sets the row kernels (cpu_kernels.h) and the native step (cpu_core.cpp) are built for:
 //   AVX-512 VNNI (default): one __m512 / __m512i, one 64-byte weight load feeding 16 rows;
 //   AVX-VNNI (O3_AVXVNNI: Alder Lake and later, Zen 5 client, no AVX-512): two __m256 / __m256i, lanes 0-7 and
-//   8-15 (a 64-byte block's rows 0-7 and 8-15), vpdpbusd in its VEX form.
-// The code above this header is written once for 16 lanes; the weight layout is the same on both builds. Every
+//   8-15 (a 64-byte block's rows 0-7 and 8-15), vpdpbusd in its VEX form;
+//   AVX2 (O3_AVX2: Haswell to Comet Lake, Zen 1-3, no VNNI at all): the same two halves, the byte dot products
+//   made of vpmaddubsw and vpmaddwd (exact in the ranges the kernels feed them: vdot_u8s8, and int4_rows' AVX2
+//   loop), no vdpbusd.
+// The code above this header is written once for 16 lanes; the weight layout is the same on every build. Every
 // operation computes lane for lane what the AVX-512 one does, and the reductions add in the same order, so the
-// two builds give the same numbers where the compiler's own code around them does too.
+// builds give the same numbers where the compiler's own code around them does too (int32 dot products are exact
+// on all three).
 #pragma once
 #include <immintrin.h>
 
 #include <cstdint>
+
+#if defined(O3_AVX2) && !defined(O3_AVXVNNI)
+#define O3_AVXVNNI  // the 256-bit halves below, with the byte dot products of AVX2 (O3_AVX2)
+#endif
 
 #ifndef O3_AVXVNNI
 
@@ -142,8 +150,40 @@ template <int N>
 static inline vi16 vslli32(vi16 a) { return {_mm256_slli_epi32(a.lo, N), _mm256_slli_epi32(a.hi, N)}; }
 template <int N>
 static inline vi16 vsrai32(vi16 a) { return {_mm256_srai_epi32(a.lo, N), _mm256_srai_epi32(a.hi, N)}; }
+#ifndef O3_AVX2
 static inline vi16 vdpbusd(vi16 acc, vi16 u, vi16 s) {
   return {_mm256_dpbusd_avx_epi32(acc.lo, u.lo, s.lo), _mm256_dpbusd_avx_epi32(acc.hi, u.hi, s.hi)};
 }
+#else
+// int16 pair sums to int32 lanes, added to acc
+static inline __m256i vpairs(__m256i acc, __m256i p) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1))); }
+// AVX2's byte dot product in two steps, for callers that add several before widening (int4_rows): vpmaddubsw's
+// 16 int16 pair sums a half (u unsigned, s signed bytes), their int16 sum, and their widening into acc's lanes
+static inline vi16 vmaddubs(vi16 u, vi16 s) { return {_mm256_maddubs_epi16(u.lo, s.lo), _mm256_maddubs_epi16(u.hi, s.hi)}; }
+static inline vi16 vadd16(vi16 a, vi16 b) { return {_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)}; }
+static inline vi16 vwiden(vi16 acc, vi16 p) { return {vpairs(acc.lo, p.lo), vpairs(acc.hi, p.hi)}; }
+#endif
 
 #endif
+
+// acc + per lane the sum of 4 products of u's unsigned bytes, each from 1 to 255 (INT8 activations + 128), and s's
+// signed bytes (INT8 weights): with VNNI, vpdpbusd's sum of u * s (kDotBiased: the caller takes 128 times the sum of
+// s's bytes out, once per group); on AVX2, the sum of (u - 128) * s, by vpmaddubsw of |s| and u - 128 signed as s is
+// (at most 2 * 128 * 127 in magnitude: never saturated), then vpmaddwd. Exact on every build.
+#ifndef O3_AVX2
+constexpr bool kDotBiased = true;
+#else
+constexpr bool kDotBiased = false;
+#endif
+static inline vi16 vdot_u8s8(vi16 acc, vi16 u, vi16 s) {
+#ifndef O3_AVX2
+  return vdpbusd(acc, u, s);
+#else
+  const __m256i b = _mm256_set1_epi8(static_cast<char>(0x80));
+  const auto half = [&b](__m256i a, __m256i x, __m256i w) {
+    const __m256i xs = _mm256_xor_si256(x, b);  // u - 128, signed
+    return vpairs(a, _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xs, w)));
+  };
+  return {half(acc.lo, u.lo, s.lo), half(acc.hi, u.hi, s.hi)};
+#endif
+}

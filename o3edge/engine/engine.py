@@ -257,8 +257,8 @@ class LLMEngine:
             raise ConfigError(f'backend = "native" serves an engine directory; {model_dir} is a checkpoint: build one '
                               "with `o3edge build SRC OUT --preset cpu-int4` (or cpu-int8, cpu-int4-all)")
         if not native_lib.available():
-            raise ConfigError('backend = "native" needs an x86-64 CPU with AVX-512 VNNI or AVX-VNNI and g++ to '
-                              "build its kernels; this machine lacks them (use backend = \"torch\")")
+            raise ConfigError('backend = "native" needs an x86-64 CPU with AVX2 (or AVX-VNNI, AVX-512 VNNI) and g++ '
+                              "to build its kernels; this machine lacks them (use backend = \"torch\")")
         return read_manifest(model_dir), fingerprint(model_dir) + ":native"
 
     def _torch_steps(self, config: O3Config, device) -> None:

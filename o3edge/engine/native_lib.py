@@ -3,9 +3,9 @@
 The step is the one the torch backend's DecodeModel runs (cpu_step.cpp binds the same cpu_core.cpp), so a
 process that serves a quantized engine this way never imports torch (~218 MB of resident memory). The library
 is built for cpu_features.row_kernel_isa(), with `g++ -O3 -march=native -fopenmp` on AVX-512 VNNI, or for
-AVX-VNNI with cpu_features.AVXVNNI_FLAGS (O3EDGE_CPU_ISA picks one), into <XDG cache or ~/.cache>/o3edge/native/
+AVX-VNNI or AVX2 with cpu_features.NARROW_FLAGS' (O3EDGE_CPU_ISA picks one), into <XDG cache or ~/.cache>/o3edge/native/
 <hash of sources, flags and CPU>/libo3core.so, a few seconds once; later processes load it in milliseconds. Where the
-CPU has neither, no compiler is found, the build fails, or O3EDGE_CPU_KERNELS=torch, `available()` is False.
+CPU has none of them, no compiler is found, the build fails, or O3EDGE_CPU_KERNELS=torch, `available()` is False.
 
 A step releases the GIL while it runs (ctypes); its threads are OpenMP's (threads <= 0: OMP_NUM_THREADS, else
 the CPUs this process may run on). Two steps must not write one KV cache at once.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from o3edge.engine.cpu_features import AVXVNNI_FLAGS, cpu_flags, row_kernel_isa, why_no_vnni_kernels
+from o3edge.engine.cpu_features import NARROW_FLAGS, cpu_flags, row_kernel_isa, why_no_vnni_kernels
 from o3edge.paths import user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ SOURCES = [SOURCE, _HERE / "cpu_core.h", _HERE / "cpu_kernels.h", _HERE / "cpu_v
 _CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 if os.environ.get("O3EDGE_CPU_PROFILE") == "1":  # the step's phase timers (as cpu_ext.py)
     _CFLAGS.append("-DO3_PROFILE")
-ISA_FLAGS = {"avx512": ["-march=native"], "avxvnni": AVXVNNI_FLAGS}  # per instruction set (row_kernel_isa)
+ISA_FLAGS = {"avx512": ["-march=native"], **NARROW_FLAGS}  # per instruction set (row_kernel_isa)
 _ERR_BYTES = 512
 
 

@@ -14,10 +14,20 @@ from o3edge.engine.quant import Int4Linear, dequantize_int4, quantize_int4
 
 needs_kernels = pytest.mark.skipif(not cpu_ext.available(),
                                    reason="this CPU lacks AVX-512 VNNI and AVX-VNNI (or no g++/ninja)")
-AVXVNNI_MISSING = cpu_features.ROW_KERNEL_NEEDS["avxvnni"] - cpu_features.cpu_flags()
-needs_avxvnni = pytest.mark.skipif(bool(AVXVNNI_MISSING) or cpu_features.row_kernel_isa() is None,
-                                   reason=f"this CPU lacks {', '.join(sorted(AVXVNNI_MISSING))} (or the row kernels "
-                                          "are switched off)")
+
+
+def narrow_isas():
+    """The AVX-VNNI and AVX2 builds as test parameters, each skipped on a CPU that lacks what it needs (or where the
+    row kernels are switched off)."""
+    params = []
+    for isa in ("avxvnni", "avx2"):
+        missing = cpu_features.ROW_KERNEL_NEEDS[isa] - cpu_features.cpu_flags()
+        params.append(pytest.param(isa, marks=pytest.mark.skipif(
+            bool(missing) or cpu_features.row_kernel_isa() is None,
+            reason=f"this CPU lacks {', '.join(sorted(missing))} (or the row kernels are switched off)")))
+    return params
+
+
 needs_attention = pytest.mark.skipif(not cpu_ext.attention_available(), reason="this CPU lacks AVX2 (or no g++/ninja)")
 
 
@@ -157,23 +167,24 @@ def test_an_attention_width_switched_off_or_unknown_keeps_torchs_operations(valu
     assert (value in caplog.text) == (value != "off")
 
 
-@needs_avxvnni
-def test_the_row_kernels_built_for_an_avx_vnni_cpu_match_their_dequantized_weights():
-    """O3EDGE_CPU_ISA=avxvnni (a real process): the INT8 and INT4 linears built for AVX-VNNI (256-bit vpdpbusd, Alder
-    Lake's instructions, as a CPU without AVX-512 builds them) pass the tests above, none of them skipped."""
+@pytest.mark.parametrize("isa", narrow_isas())
+def test_the_row_kernels_built_for_a_cpu_without_avx512_match_their_dequantized_weights(isa):
+    """O3EDGE_CPU_ISA=avxvnni|avx2 (a real process): the INT8 and INT4 linears built for AVX-VNNI (256-bit vpdpbusd,
+    Alder Lake's instructions) and for AVX2 (no VNNI: the byte products by vpmaddubsw and vpmaddwd, Haswell's
+    instructions), as a CPU without AVX-512 builds them, pass the tests above, none of them skipped."""
     probe, run = _tests_in_a_process(
-        "O3EDGE_CPU_ISA", "avxvnni", "cpu_features.row_kernel_isa(), cpu_ext.available()",
+        "O3EDGE_CPU_ISA", isa, "cpu_features.row_kernel_isa(), cpu_ext.available()",
         ["tests/engine/test_cpu_ext.py::test_vnni_int8_linear_matches_its_dequantized_weight",
          "tests/engine/test_cpu_ext.py::test_vnni_int4_linear_matches_its_dequantized_weight"])
-    assert probe == ["avxvnni", "True"], run.stdout[-1000:] + run.stderr[-2000:]
+    assert probe == [isa, "True"], run.stdout[-1000:] + run.stderr[-2000:]
     assert run.returncode == 0, run.stdout[-3000:]
     assert "15 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-1000:]
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="not x86-64: no row kernels to choose")
-@pytest.mark.parametrize("value", ["sse9", "avx1024", "avxvnni", "avx512"])
+@pytest.mark.parametrize("value", ["sse9", "avx1024", "avx2", "avxvnni", "avx512"])
 def test_the_row_kernel_isa_is_the_widest_this_cpu_has_or_the_one_asked_for(value, monkeypatch, caplog):
-    """Unset: AVX-512 VNNI where the CPU has it, else AVX-VNNI, else none. O3EDGE_CPU_ISA=avx512|avxvnni: that one
+    """Unset: AVX-512 VNNI where the CPU has it, else AVX-VNNI, else AVX2, else none. O3EDGE_CPU_ISA=avx512|avxvnni|avx2: that one
     where the CPU has it; a value o3edge does not know, or one this CPU lacks: none (torch's kernels) and a warning
     naming it."""
     have = cpu_features.cpu_flags()
@@ -195,8 +206,12 @@ def test_the_row_kernel_isa_is_the_widest_this_cpu_has_or_the_one_asked_for(valu
 
 def test_each_row_kernel_isa_builds_in_a_directory_of_its_own():
     """One cache entry per instruction set, for the torch library and the torch-free one: switching O3EDGE_CPU_ISA
-    never loads the other's build; the AVX-VNNI one is compiled for Alder Lake's instructions, not this machine."""
-    assert cpu_ext.build_dir(flags=cpu_ext.row_flags("avx512")) != cpu_ext.build_dir(flags=cpu_ext.row_flags("avxvnni"))
-    assert native_lib.build_path("avx512") != native_lib.build_path("avxvnni")
+    never loads another's build; the AVX-VNNI one is compiled for Alder Lake's instructions and the AVX2 one for
+    Haswell's, not for this machine."""
+    isas = list(cpu_features.ROW_KERNEL_NEEDS)
+    assert len({cpu_ext.build_dir(flags=cpu_ext.row_flags(isa)) for isa in isas}) == len(isas)
+    assert len({native_lib.build_path(isa) for isa in isas}) == len(isas)
     for flags in (cpu_ext.row_flags("avxvnni"), native_lib.build_flags("avxvnni")):
         assert "-march=native" not in flags and {"-mavxvnni", "-DO3_AVXVNNI"} <= set(flags)
+    for flags in (cpu_ext.row_flags("avx2"), native_lib.build_flags("avx2")):
+        assert "-march=native" not in flags and "-mavxvnni" not in flags and {"-mavx2", "-DO3_AVX2"} <= set(flags)

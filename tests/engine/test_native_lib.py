@@ -221,23 +221,23 @@ def _greedy(path: str) -> dict:
     return out
 
 
-AVXVNNI_MISSING = cpu_features.ROW_KERNEL_NEEDS["avxvnni"] - cpu_features.cpu_flags()
-
-
-@pytest.mark.skipif(bool(AVXVNNI_MISSING), reason=f"this CPU lacks {', '.join(sorted(AVXVNNI_MISSING))}")
-def test_the_step_built_for_an_avx_vnni_cpu_decodes_the_same_greedy_tokens(checkpoints, tmp_path):
-    """O3EDGE_CPU_ISA=avxvnni (a real process): a tiny cpu-int4 engine (INT4 FFN, INT8 attention and LM head, q/k
-    norms, GQA) decodes the same greedy tokens as this process's build (AVX-512 VNNI where the CPU has it) on both
-    backends, i.e. through native_lib's library and through cpu_step's."""
+@pytest.mark.parametrize("isa", ["avxvnni", "avx2"])
+def test_the_step_built_for_a_cpu_without_avx512_decodes_the_same_greedy_tokens(isa, checkpoints, tmp_path):
+    """O3EDGE_CPU_ISA=avxvnni|avx2 (a real process): a tiny cpu-int4 engine (INT4 FFN, INT8 attention and LM head,
+    q/k norms, GQA) decodes the same greedy tokens as this process's build (AVX-512 VNNI where the CPU has it) on
+    both backends, i.e. through native_lib's library and through cpu_step's."""
+    missing = cpu_features.ROW_KERNEL_NEEDS[isa] - cpu_features.cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(missing))}")
     path = str(tmp_path / "cpu-int4")
     build_engine_dir(checkpoints("qwen3-qknorm"), path, torch.bfloat16, None, preset="cpu-int4",
                      calibration_tokens=4096)
     script = f"import json; from tests.engine.test_native_lib import _greedy; print(json.dumps(_greedy({path!r})))"
-    run = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, O3EDGE_CPU_ISA="avxvnni"), cwd=ROOT,
+    run = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, O3EDGE_CPU_ISA=isa), cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     want = _greedy(path)
-    assert got["isa"] == "avxvnni" and want["isa"] is not None
+    assert got["isa"] == isa and want["isa"] is not None
     assert got["native"] == want["native"] and got["torch"] == want["torch"]
     assert all(len(t) == 16 for t in got["native"])
