@@ -2,6 +2,7 @@
 """Collect a tools/bench_cpu_peers.sh run (OUT/pass*/NAME.json) into one JSON and a Markdown table.
 
   python tools/bench_cpu_report.py OUT --json docs/results/cpu-peers-DATE.json --command "..."
+  python tools/bench_cpu_report.py --plot docs/img/cpu-vs-llamacpp.png RUN.json:TITLE [RUN.json:TITLE ...]
 
 Each cell is the median over passes of each pass's median, with [min–max] over every timed run;
 ratios are against llama.cpp Q4_0 in the same passes (decode: ours / theirs; TTFT and RSS: ours / theirs).
@@ -47,12 +48,46 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} vCPUs ({', '.join(isa)}), {mem:.0f} GiB, Python {platform.python_version()}"
 
 
+def plot(runs: list[str], path: str) -> None:
+    """One row of panels per saved run (JSON:TITLE): decode tok/s and TTFT of every system, bars at the median of
+    pass medians, whiskers over every timed run, llama.cpp's bars grey; the ratio to llama.cpp Q4_0 beside each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 3.2 * len(runs)), squeeze=False)
+    for row, spec in zip(axes, runs):
+        file, _, title = spec.partition(":")
+        table = json.load(open(file))["table"]
+        names = [n for n in ORDER if n in table] + sorted(set(table) - set(ORDER))
+        for ax, key, unit in ((row[0], "decode_tps", "decode, batch 1 (tok/s)"), (row[1], "ttft_ms", "TTFT, 128-token prompt (ms)")):
+            med = [table[n][key][0] for n in names]
+            err = [[m - table[n][key][1] for m, n in zip(med, names)], [table[n][key][2] - m for m, n in zip(med, names)]]
+            colors = ["0.6" if n.startswith("llama.cpp") else "tab:blue" for n in names]
+            ax.barh(names, med, xerr=err, color=colors, capsize=2)
+            base = table["llama.cpp Q4_0"][key][0]
+            for y, (m, n) in enumerate(zip(med, names)):  # beside the whisker's end
+                ax.text(table[n][key][2], y, f"  {m / base:.2f}x", va="center", fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel(unit)
+            ax.set_title(title if key == "decode_tps" else "", fontsize=9, loc="left")
+            ax.set_xlim(0, 1.3 * max(table[n][key][2] for n in names))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
+    ap.add_argument("out", nargs="+", help="a run's folder; with --plot, saved runs as JSON:TITLE")
     ap.add_argument("--json")
     ap.add_argument("--command", default="bash tools/bench_cpu_peers.sh")
+    ap.add_argument("--plot", help="draw the saved runs given as JSON:TITLE into this PNG instead")
     a = ap.parse_args()
+    if a.plot:
+        return plot(a.out, a.plot)
+    a.out = a.out[0]
     rows = load(a.out)
     names = [n for n in ORDER if n in rows] + sorted(set(rows) - set(ORDER))
     loads = [r.get("loadavg_start", [0])[0] for rs in rows.values() for r in rs] + \
