@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from o3edge.engine.cpu_features import row_kernel_isa
+
 if TYPE_CHECKING:
     from o3edge.engine.engine import LLMEngine
 
@@ -51,7 +53,7 @@ def _model_info(engine: "LLMEngine") -> dict:
     offloader = getattr(engine, "offloader", None)
     return {"model": os.path.basename(os.path.normpath(i.model_dir)), "model_path": i.model_dir,
             "architecture": i.args.family, "dtype": i.dtype, "device": i.device, "backend": i.backend,
-            "max_context": i.max_model_len,
+            "cpu_kernels": row_kernel_isa() if str(i.device) == "cpu" else None, "max_context": i.max_model_len,
             "vocab_size": i.args.vocab_size, "kv_block_size": i.kv_block_size, "num_kv_blocks": i.num_kv_blocks,
             "kv_cache_bytes": i.kv_cache_bytes, "fingerprint": i.fingerprint,
             "has_chat_template": bool(engine.tokenizer.chat_template), "load_seconds": round(i.load_seconds, 3),

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import DaemonProcess
 from o3edge import O3Config, O3Model
-from o3edge.engine import native_lib
+from o3edge.engine import cpu_features, native_lib
 from o3edge.engine.sequence import SamplingParams
 from o3edge.ipc.client import O3Client
 from test_cold_tier_daemon import answer_then_kill_9, system_prompt
@@ -39,7 +39,8 @@ def test_native_daemon_answers_without_torch_and_keeps_its_cold_tier(tmp_path, e
             maps = fh.read()
         assert "libtorch" not in maps and "libo3core" in maps
         with O3Client(d.endpoint, timeout=10) as c:
-            assert c.info()["backend"] == "native"
+            info = c.info()
+            assert info["backend"] == "native" and info["cpu_kernels"] == cpu_features.row_kernel_isa() is not None
 
     before, full_blocks = answer_then_kill_9(native_daemon(tmp_path, engine_dir, shm), prompt, 12, no_torch)
     second = native_daemon(tmp_path, engine_dir, shm).start()
