@@ -102,7 +102,8 @@ static inline void int4_rows(const uint8_t* wb, const int8_t* xq, const float* x
 // Weight layout: packed int8 [N/16, K/4, 64]: byte r*4 + j of row block rb and k-quad o is w[rb*16+r][4o+j].
 // wsum int32 [K/G, N]: per group sums of the row's int8 weights; scales float32 [N]: w ~ q * scale[row].
 // Activations are quantized per group of G columns to int8 and fed to vpdpbusd as x + 128 (unsigned); the
-// 128 * sum(w) that adds is taken out per group (on AVX2 the byte products are of x itself: kDotBiased, cpu_vec.h).
+// 128 * sum(w) that adds is taken out per group (on AVX2 the byte products are of x itself, stored as int8 bits:
+// kDotBiased, cpu_vec.h).
 template <int MB>
 static inline void int8_rows(const int8_t* wb, const uint8_t* xu, const float* xs, const int32_t* ws,
                              const float* sp, float* op, int64_t m0, int64_t rb, int64_t N, int64_t K, int64_t NG,
@@ -175,8 +176,10 @@ static inline void quantize_s8(const float* xp, int64_t M, int64_t K, int64_t Kp
   }
 }
 
-// for int8_rows: x [M, K] -> xu uint8 [M, K] (x / scale + 128), per group of G columns a scale xs
+// for int8_rows: x [M, K] -> xu uint8 [M, K] (x / scale + 128; on AVX2, where the byte products take x itself,
+// x / scale as int8 bits: kDotBiased), per group of G columns a scale xs
 static inline void quantize_u8(const float* xp, int64_t M, int64_t K, int64_t G, uint8_t* xu, float* xs) {
+  constexpr int32_t bias = kDotBiased ? 128 : 0;
   const int64_t NG = K / G;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < NG; ++g) {
@@ -184,6 +187,6 @@ static inline void quantize_u8(const float* xp, int64_t M, int64_t K, int64_t G,
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       xs[m * NG + g] = amax / 127.f;
       for (int64_t k = g * G; k < (g + 1) * G; ++k)
-        xu[m * K + k] = (uint8_t)((int32_t)std::nearbyint(xp[m * K + k] * inv) + 128);
+        xu[m * K + k] = (uint8_t)((int32_t)std::nearbyint(xp[m * K + k] * inv) + bias);
     }
 }

@@ -166,10 +166,11 @@ static inline vi16 vwiden(vi16 acc, vi16 p) { return {vpairs(acc.lo, p.lo), vpai
 
 #endif
 
-// acc + per lane the sum of 4 products of u's unsigned bytes, each from 1 to 255 (INT8 activations + 128), and s's
-// signed bytes (INT8 weights): with VNNI, vpdpbusd's sum of u * s (kDotBiased: the caller takes 128 times the sum of
-// s's bytes out, once per group); on AVX2, the sum of (u - 128) * s, by vpmaddubsw of |s| and u - 128 signed as s is
-// (at most 2 * 128 * 127 in magnitude: never saturated), then vpmaddwd. Exact on every build.
+// acc + per lane the sum of 4 products of u's bytes (INT8 activations) and s's signed bytes (INT8 weights). With VNNI
+// u holds x + 128 (1 to 255, unsigned) and this is vpdpbusd's sum of u * s (kDotBiased: the caller takes 128 times
+// the sum of s's bytes out, once per group); on AVX2 u holds x itself (-127 to 127, signed) and this is the sum of
+// x * s, by vpmaddubsw of |s| and x signed as s is (at most 2 * 128 * 127 in magnitude: never saturated), then
+// vpmaddwd. Exact on every build.
 #ifndef O3_AVX2
 constexpr bool kDotBiased = true;
 #else
@@ -179,10 +180,8 @@ static inline vi16 vdot_u8s8(vi16 acc, vi16 u, vi16 s) {
 #ifndef O3_AVX2
   return vdpbusd(acc, u, s);
 #else
-  const __m256i b = _mm256_set1_epi8(static_cast<char>(0x80));
-  const auto half = [&b](__m256i a, __m256i x, __m256i w) {
-    const __m256i xs = _mm256_xor_si256(x, b);  // u - 128, signed
-    return vpairs(a, _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xs, w)));
+  const auto half = [](__m256i a, __m256i x, __m256i w) {
+    return vpairs(a, _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)));
   };
   return {half(acc.lo, u.lo, s.lo), half(acc.hi, u.hi, s.hi)};
 #endif

@@ -17,3 +17,6 @@ for r in 1 2; do for p in cpu-int8 cpu-int4; do
     --runs 3 --warmup 1 --threads 2 --label "o3edge $p, torch kernels (AVX2)" --out $D/torch-kernels-$p-$r.json > /dev/null 2>&1
 done; done
 python tools/bench_cpu_kernels.py --rows 1 8 128 --json $D/kernels-avx2.json > $D/kernels-avx2.md 2>/dev/null
+# 00:50 UTC, after the AVX2 build's INT8 activations were stored as int8 itself (no xor a product: kDotBiased), the
+# same settings exported as above
+python tools/bench_cpu_kernels.py --rows 1 8 128 --json $D/kernels-avx2-no-xor.json
