@@ -84,10 +84,8 @@ class RouterBlocks(BlockManager):
             self.num_reclaimable -= 1
         self.host_free[host] -= 1
 
-    def _comp_free(self, block_id: int, first: bool = False) -> None:
+    def _comp_free(self, block_id: int) -> None:
         self.comp_free[block_id] = None
-        if first:
-            self.comp_free.move_to_end(block_id, last=False)
         host = self._host(block_id)
         self.host_free[host] += 1
         if self.host_free[host] == self.per_host:
@@ -159,10 +157,10 @@ class RouterBlocks(BlockManager):
         return self.demote_all(seq, [i]) == 1
 
     def demote_all(self, seq: Sequence, indices: list[int]) -> int:
-        """demote each of seq.block_table[indices] in turn; how many moved. One loop over local names: a
-        refresh demotes ~170 blocks of the built-in long model at 16 x 3,840 tokens in one step, whose
-        host time a small model's GPU step does not hide (1.3 -> 0.6 us a demotion on the CPU machine:
-        tools/bench_demotions.py)."""
+        """demote each of seq.block_table[indices] in turn; how many moved. One loop, the moves handed to the
+        router in one call: a refresh demotes ~170 blocks of the built-in long model at 16 x 3,840 tokens in one
+        step, whose host time a small model's GPU step does not hide (a refresh's books 0.23-0.30 -> 0.17-0.20 ms
+        on the CPU machine: tools/bench_demotions.py, docs/results/cpu-router-books-2026-12-04/)."""
         blocks, table, nf, ph = self.blocks, seq.block_table, self.num_full, self.per_host
         comp_free, host_free, cached, free = self.comp_free, self.host_free, self.cached, self.free
         on_cached_free, on_reuse, moves = self.on_cached_free, self.on_reuse, []
@@ -176,14 +174,9 @@ class RouterBlocks(BlockManager):
                 on_cached_free(old)  # the full-precision copy goes to the cold tier
             if comp_free:  # a free compressed slot, least recently freed first (a name cached there dropped)
                 new_id = next(iter(comp_free))
-                del comp_free[new_id]
-                host = (new_id - nf) // ph
-                if host_free[host] == ph:
-                    self.num_reclaimable -= 1
-                host_free[host] -= 1
+                self._comp_unfree(new_id)
                 new = blocks[new_id]
-                if new.hash is not None and cached.get(new.hash) == new_id:
-                    del cached[new.hash]
+                self._forget_name(new)
                 free[old_id] = None
                 free.move_to_end(old_id, last=False)  # holds nothing: handed out first
             else:  # the block's own bytes host it and per_host - 1 free compressed slots

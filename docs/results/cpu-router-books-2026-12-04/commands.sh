@@ -6,3 +6,5 @@ for i in 1 2 3; do
   (cd /tmp/head && PYTHONPATH=/tmp/head python tools/bench_demotions.py --repeat 100 --json /work/main/$R/books-7655e0b-$i.json)
   PYTHONPATH=. python tools/bench_demotions.py --repeat 100 --json $R/books-new-$i.json
 done
+# review mend (the free list's books through RouterBlocks._comp_unfree and _forget_name again, not inlined copies)
+for i in 1 2 3; do python tools/bench_demotions.py --repeat 100 --json $R/books-helpers-$i.json; done
