@@ -32,7 +32,7 @@ static int64_t g_steps;
 namespace {
 
 // ---- vector math: ATen's AVX-512 algorithms, reproduced so the step's numbers are the ones it had on ATen ----
-// (16 lanes of cpu_vec.h: the AVX-VNNI build computes them lane for lane alike)
+// (16 lanes of cpu_vec.h: the AVX-VNNI and AVX2 builds compute them lane for lane alike)
 
 // the sum of the 16 lanes in at::vec::vec_reduce_all's order (halves, then quarters, pairs, neighbours)
 #ifndef O3_AVXVNNI
@@ -44,13 +44,7 @@ inline float reduce_add(vf16 v) {
   return _mm512_cvtss_f32(v);
 }
 #else
-inline float reduce_add(vf16 v) {  // the same order: lanes i and i + 8 first, then i + 4, i + 2, i + 1
-  __m256 a = _mm256_add_ps(v.lo, v.hi);
-  a = _mm256_add_ps(a, _mm256_permute2f128_ps(a, a, 1));
-  a = _mm256_add_ps(a, _mm256_shuffle_ps(a, a, 0x4E));
-  a = _mm256_add_ps(a, _mm256_shuffle_ps(a, a, 0xB1));
-  return _mm256_cvtss_f32(a);
-}
+inline float reduce_add(vf16 v) { return vreduce_add(v); }  // cpu_vec.h's: the same order, lanes i + 8, 4, 2, 1
 #endif
 
 inline vf16 pow2i(vi16 q) {  // 2^q for q in the normal range

@@ -1,4 +1,4 @@
-// o3edge CPU row kernels on AVX-512 VNNI or AVX-VNNI (cpu_vec.h): the INT8 and INT4 linears (see
+// o3edge CPU row kernels on AVX-512 VNNI, AVX-VNNI or AVX2 (cpu_vec.h): the INT8 and INT4 linears (see
 // o3edge/engine/cpu_ext.py; the decode attention is cpu_span.cpp and cpu_router.cpp, a library of its own)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
