@@ -7,7 +7,7 @@ For every linear layer shape of the model (fused qkv, o, gate_up, down, LM head)
 the minimum time of: float32 (MKL), bfloat16, `_weight_int8pack_mm` (bf16 activations),
 `_weight_int4pack_mm_for_cpu` g64/g128 (bf16 activations), fbgemm dynamic int8
 (`quantized::linear_dynamic`, activations quantized per tensor on the fly, float32 in and out), and,
-where they build (AVX-512 VNNI or AVX-VNNI: O3EDGE_CPU_ISA), o3edge's own INT8 and INT4 g32/g64 kernels (cpu_ext.py).
+where they build (AVX-512 VNNI, AVX-VNNI or AVX2: O3EDGE_CPU_ISA), o3edge's own INT8 and INT4 g32/g64 kernels (cpu_ext.py).
 Random weights; denormals flushed. Output: a Markdown table (microseconds), optionally JSON.
 """
 
