@@ -13,8 +13,8 @@ host waits for), `flush total` the time until the device was done. `--torch-move
 operations instead of the kernel (kernels/kv_quantize.py), to measure against. `--profile` adds the flush's host operations
 under torch.profiler, then on CUDA its kernel path's parts with the device idle before each, and the same parts
 in place as a flush takes them after the books (the flush's host time on the H200's host was 0.83 ms against 0.14
-for the parts: docs/benchmarks.md). With O3EDGE_ROUTER_MOVE_GRAPH=1 (CUDA) the flush replays the router's MoveGraph
-(kernels/kv_quantize.py) instead.
+for the parts: docs/benchmarks.md). On CUDA the flush replays the router's MoveGraph
+(kernels/kv_quantize.py); O3EDGE_ROUTER_MOVE_GRAPH=0 launches the kernel each flush instead.
 
   python tools/bench_demotions.py [--device cuda] [--mode int8] [--batch 16] [--context 3840]
                                   [--demotions 170] [--layers 8 --kv-heads 2 --head-dim 64] [--repeat 50]

@@ -12,7 +12,7 @@ in the same device call); transformers runs in this process.
 
   python tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4 [--int4-all] [--int4-head] [--int8] [--int4-int8]
          [--sampled [--sampled-only TEXT]] [--model DIR]
-         [--llamacpp BENCH_LOG,ENERGY_LOG] [--skip-hf] [--json OUT] [--plot OUT.png]
+         [--llamacpp BENCH_LOG,ENERGY_LOG] [--skip-hf] [--skip-base] [--json OUT] [--plot OUT.png]
 """
 
 from __future__ import annotations
@@ -228,6 +228,8 @@ def main():
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-base", action="store_true", help="only the quantized systems asked for (not o3edge at "
+                    "--dtype itself)")
     ap.add_argument("--int4", action="store_true", help="also run o3edge with INT4 FFN weights")
     ap.add_argument("--int4-all", action="store_true", help="also run o3edge with every linear in INT4")
     ap.add_argument("--int4-head", action="store_true", help="also run o3edge with INT4 FFN and LM head")
@@ -276,8 +278,9 @@ def measure(a, batches) -> dict:
     energy = Energy()
     r = {"shape": a.shape, "model": path, "dtype": a.dtype, "gpu": torch.cuda.get_device_name(),
          "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "systems": {}}
-    r["systems"]["o3edge"] = bench_o3(path, a.dtype, batches, energy)
-    print("o3edge", json.dumps(r["systems"]["o3edge"]), flush=True)
+    if not a.skip_base:
+        r["systems"]["o3edge"] = bench_o3(path, a.dtype, batches, energy)
+        print("o3edge", json.dumps(r["systems"]["o3edge"]), flush=True)
     if a.int4:
         r["systems"]["o3edge INT4-FFN"] = bench_o3(path, a.dtype, batches, energy, int4=True)
         print("o3edge INT4-FFN", json.dumps(r["systems"]["o3edge INT4-FFN"]), flush=True)

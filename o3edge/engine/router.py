@@ -351,9 +351,10 @@ class KVRouter:
         # interpreter (router_graph.py turns it on)
         self.move_kernel = self.device.type == "cuda" and os.environ.get("O3EDGE_ROUTER_MOVE_KERNEL") != "0"
         self.stage = None  # the kernel's ids go to the device through it (kv_quantize.PinnedStage), on CUDA
-        # moves by one CUDA graph replay (kv_quantize.MoveGraph), made at warm_up: off unless
-        # O3EDGE_ROUTER_MOVE_GRAPH=1 until it is measured on the GPU (a flush's host time was the demoting
-        # step's largest part on the H200's host: docs/benchmarks.md)
+        # moves by one CUDA graph replay (kv_quantize.MoveGraph), made at warm_up where the kernel runs on CUDA
+        # (O3EDGE_ROUTER_MOVE_GRAPH=0: the kernel launched each flush, to measure against). On the H200's host a
+        # flush of 170 demotions took 1.13 ms of host time that way and 0.45 ms by the graph, a demoting step
+        # 1.81 -> 1.44 ms (docs/results/gpu-2026-12-05/call1/)
         self.move_graph = None
         # a step's CPU decoding queries over both pools in one C++ call a layer (cpu_router.cpp) where that C++
         # reads the cache (native_decode; O3EDGE_ROUTER_NATIVE=0: torch operations, to measure against)
@@ -378,7 +379,7 @@ class KVRouter:
 
             quantize_blocks(self.kv_cache, torch.zeros(1, dtype=torch.long, device=self.device), self.block_size,
                             self.cfg.mode, self.rotation)
-            if os.environ.get("O3EDGE_ROUTER_MOVE_GRAPH") == "1":
+            if os.environ.get("O3EDGE_ROUTER_MOVE_GRAPH") != "0":
                 n = moves_a_replay(self.num_layers, self.block_size, self.kv_heads, self.head_dim, self.cfg.mode)
                 self.move_graph = MoveGraph(self.kv_cache, self.codes, self.scales, self.block_size, self.cfg.mode,
                                             self.rotation, n, capture=True)

@@ -67,10 +67,8 @@ def test_float_logits_and_argmax_match_torch(dtype, V):
     (100, 8192, 128, 64),   # a prompt chunk through gate/up: tiles dequantized in registers (prefill_tiling)
     (128, 48, 4096, 128),   # and through down: tiles, K split in four
 ])
-def test_int4_matmul_matches_dequantized_reference(dtype, M, N, K, group, monkeypatch):
+def test_int4_matmul_matches_dequantized_reference(dtype, M, N, K, group):
     from o3edge.engine.quant import dequantize_int4, quantize_int4
-
-    monkeypatch.setenv("O3EDGE_INT4_PREFILL_TILES", "1")  # prompt chunks on tiles where gemv.prefill_tiling says
 
     g = torch.Generator().manual_seed(M * N)
     qweight, sz = quantize_int4(torch.randn(N, K, generator=g) * 0.05, group)
@@ -84,15 +82,15 @@ def test_int4_matmul_matches_dequantized_reference(dtype, M, N, K, group, monkey
 
 
 def test_int4_prompt_chunks_run_on_tiles_only_where_they_were_faster(monkeypatch):
-    """prefill_tiling with O3EDGE_INT4_PREFILL_TILES=1: 65-128 rows of gate/up (many output rows) and down (long
-    rows) on tiles; QKV, o, decode batches and longer chunks keep their paths. Off without the switch."""
+    """prefill_tiling: 65-128 rows of gate/up (many output rows) and down (long rows) on tiles; QKV, o, decode
+    batches and longer chunks keep their paths. Never with O3EDGE_INT4_PREFILL_TILES=0."""
     from o3edge.engine.kernels.gemv import prefill_tiling
 
-    assert prefill_tiling(128, 11264, 2048) is None
-    monkeypatch.setenv("O3EDGE_INT4_PREFILL_TILES", "1")
     assert prefill_tiling(128, 11264, 2048) and prefill_tiling(65, 2048, 5632)
     assert not any(prefill_tiling(*s) for s in [(128, 2560, 2048), (128, 2048, 2048), (64, 11264, 2048),
                                                 (129, 11264, 2048)])
+    monkeypatch.setenv("O3EDGE_INT4_PREFILL_TILES", "0")
+    assert prefill_tiling(128, 11264, 2048) is None
 
 
 def _decode_case(lens, H, KVH, HD, block_size, dtype, seed=0):

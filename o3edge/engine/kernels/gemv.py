@@ -1139,16 +1139,18 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, *, scales_and_zeros: to
 
 def prefill_tiling(M: int, N: int, K: int) -> tuple[int, ...] | None:
     """The tiling of an INT4 matmul of MAX_ROWS < M <= PREFILL_TILE_ROWS rows (a prompt chunk) on tiles dequantized
-    in registers, where that beat dequantize + cuBLAS; None: dequantize + cuBLAS. Off unless
-    O3EDGE_INT4_PREFILL_TILES=1: the tiles' output at these sizes is checked under Triton's interpreter only, and the
-    time to first token with them is not measured yet (planned: tests/engine/test_kernels.py -k "int4_matmul or
-    prompt_chunks" compiled on the GPU, and tools/bench_gpu.py --int4-all --batches 1 with the switch off and on).
+    in registers, where that beat dequantize + cuBLAS; None: dequantize + cuBLAS (always, with
+    O3EDGE_INT4_PREFILL_TILES=0, to measure against).
 
     On the H200 at 128 rows (tools/bench_gemv.py --shapes tinyllama-1.1b --rows 128 --weights int4 --grid --layers
     qkv,o,gate_up,down; docs/results/gpu-2026-12-04-fifteenth/call2/), µs, dequantize + cuBLAS -> best tile: gate/up
     34.0 -> 25.4 (64 rows a tile, 128 columns, one split, 4 warps), down 21.2 -> 18.2 (64 x 64, four splits along
-    K, 8 warps); QKV (12.0) and o (10.2) were no faster on tiles."""
-    if not MAX_ROWS < M <= PREFILL_TILE_ROWS or os.environ.get("O3EDGE_INT4_PREFILL_TILES") != "1":
+    K, 8 warps); QKV (12.0) and o (10.2) were no faster on tiles. At llama-1b's shapes (bench_gemv.py --shapes
+    llama-1b --rows 128 --weights int4 --layers gate_up,down; docs/results/gpu-2026-12-05/call2/): gate/up 48.3 ->
+    26.5, down 30.3 -> 23.3; the time to first token of a 128-token prompt on tinyllama with every linear INT4
+    3.19 -> 2.94 ms (tools/bench_gpu.py --int4-all --batches 1, the switch off then on; the kernels' tests compiled
+    on the H200 in the same call)."""
+    if not MAX_ROWS < M <= PREFILL_TILE_ROWS or os.environ.get("O3EDGE_INT4_PREFILL_TILES") == "0":
         return None
     if K >= 4096:  # the down projection
         return 64, 64, 4, 8, 0, 3

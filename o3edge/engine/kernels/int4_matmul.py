@@ -6,10 +6,10 @@ one) and bf16 scales_and_zeros [Kp/g, N, 2], W = (q - 8) * scale + zero per grou
 - Decode-sized inputs (<= gemv.MAX_ROWS rows) run the skinny kernel (kernels/gemv.py): each weight
   byte is read once and dequantized in registers, so the step reads a quarter of fp16's bytes.
 - Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch fp16/bf16 matrix
-  by one streaming kernel (reading a quarter, writing the full size) and multiplied on cuBLAS; with
-  O3EDGE_INT4_PREFILL_TILES=1 (off until checked on the GPU), up to gemv.PREFILL_TILE_ROWS rows, the FFN's
-  projections run on the skinny kernel's tiles dequantized in registers instead, where those were faster
-  (gemv.prefill_tiling). (The first fused dequantize-in-tile GEMM was 6-25x slower than dequantize + cuBLAS
+  by one streaming kernel (reading a quarter, writing the full size) and multiplied on cuBLAS; up to
+  gemv.PREFILL_TILE_ROWS rows, the FFN's projections run on the skinny kernel's tiles dequantized in registers
+  instead, where those were faster (gemv.prefill_tiling; O3EDGE_INT4_PREFILL_TILES=0: dequantize + cuBLAS, to
+  measure against). (The first fused dequantize-in-tile GEMM was 6-25x slower than dequantize + cuBLAS
   at 128 rows: docs/benchmarks.md.)
 """
 

@@ -188,10 +188,10 @@ def moves_a_replay(num_layers: int, block_size: int, heads: int, head_dim: int, 
 
 
 class MoveGraph:
-    """A flush's demotions as one CUDA graph replay for every `capacity` moves (O3EDGE_ROUTER_MOVE_GRAPH=1),
-    instead of move_blocks' ids copy, two scratch allocations, the kernel's launch and two index copies
-    (on the H200's host a flush of ~170 moves took 0.72-0.83 ms of host time that way, the GPU idle meanwhile:
-    docs/benchmarks.md). The graph copies a pinned host buffer (the number of moves, the sources, the
+    """A flush's demotions as one CUDA graph replay for every `capacity` moves (on CUDA, unless
+    O3EDGE_ROUTER_MOVE_GRAPH=0), instead of move_blocks' ids copy, two scratch allocations, the kernel's launch
+    and two index copies. On the H200's host a flush of 170 moves took 1.13 ms of host time that way and 0.45 ms
+    by the graph (tools/bench_demotions.py --mode int8; docs/results/gpu-2026-12-05/call1/). The graph copies a pinned host buffer (the number of moves, the sources, the
     destinations) to the device, quantizes the sources into a scratch that lives with it, then places the
     codes and scales: every source of a replay read before any of its destinations is written, as
     move_blocks does. Replays run in stream order, so a later one's sources, never a block hosting codes

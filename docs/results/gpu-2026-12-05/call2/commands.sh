@@ -1,3 +1,4 @@
+# run on 2026-12-05 at 01:41 UTC as this folder's call 2, as prepared (O3EDGE_INT4_PREFILL_TILES=1 was then the switch that turned the tiles on)
 # planned call (prepared in the fifteenth session, 2026-12-04; no GPU was lent for it), run with O3EDGE_INT4_PREFILL_TILES as named: INT4 prompt chunks of 65-128 rows on tiles (gemv.prefill_tiling): the tests
 # compiled, time to first token against dequantize + cuBLAS (O3EDGE_INT4_PREFILL_TILES=0), and the rule on llama-1b's
 # shapes

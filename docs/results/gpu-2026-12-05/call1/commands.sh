@@ -1,3 +1,4 @@
+# run on 2026-12-05 at 01:38 UTC as this folder's call 1, as prepared (O3EDGE_ROUTER_MOVE_GRAPH=1 was then the switch that turned the graph on)
 # planned call 1 of 2 (prepared in the sixteenth session, 2026-12-04; no GPU was lent that session): the token
 # router's demotions by one CUDA graph replay (O3EDGE_ROUTER_MOVE_GRAPH=1, kv_quantize.MoveGraph): the kernels compiled
 # and the graph captured, the router's graph path with it on, a refresh's demotions alone with it off and on, and
