@@ -1,12 +1,17 @@
 """Helper process: C connections, each keeping up to K generate requests in flight, for S seconds.
 
     python tests/reliability/flood.py ENDPOINT --clients 4 --inflight 8 --seconds 10 --prompt-bytes N [N ...]
+                                      [--asyncio]
 
 Prompts cycle through the given sizes (text repeated to N bytes). Prints one JSON line at the end:
-requests sent, final replies by outcome (done, or the error code), and replies still missing.
+requests sent, final replies by outcome (done, or the error code), and replies still missing. By default
+each connection is a raw DEALER socket; with --asyncio each is an AsyncO3Client (o3edge/ipc/aio.py) whose K
+tasks each await one generate() after another, so the client's own multiplexing is under the flood too (a
+request that raised DaemonUnavailable, its reply never handed to it, counts as missing).
 """
 
 import argparse
+import asyncio
 import itertools
 import json
 import sys
@@ -15,6 +20,9 @@ from collections import Counter
 
 import msgpack
 import zmq
+
+from o3edge.ipc.aio import AsyncO3Client
+from o3edge.ipc.client import DaemonUnavailable, RequestError
 
 TEXT = ("The json module encodes and decodes JSON documents. The os module talks to the operating "
         "system: files, directories, processes and the environment. ")
@@ -32,9 +40,14 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--prompt-bytes", type=int, nargs="+", default=[1 << 20])
+    ap.add_argument("--asyncio", action="store_true", help="each connection an AsyncO3Client")
     args = ap.parse_args()
-    ctx = zmq.Context()
     prompts = [prompt(n) for n in args.prompt_bytes]
+    if args.asyncio:
+        sent, outcomes, missing = asyncio.run(flood_asyncio(args, prompts))
+        print(json.dumps({"sent": sent, "outcomes": outcomes, "missing": missing}), flush=True)
+        return 0
+    ctx = zmq.Context()
     socks = []
     for _ in range(args.clients):
         s = ctx.socket(zmq.DEALER)
@@ -68,6 +81,33 @@ def main() -> int:
                     outcomes["done" if msg["type"] == "done" else msg["code"]] += 1
     print(json.dumps({"sent": sent, "outcomes": outcomes, "missing": sum(map(len, inflight.values()))}), flush=True)
     return 0
+
+
+async def flood_asyncio(args, prompts: list[str]) -> tuple[int, Counter, int]:
+    """The flood through AsyncO3Client: (requests sent, final replies by outcome, requests left unanswered)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + args.seconds
+    outcomes, sizes, sent, missing = Counter(), itertools.cycle(prompts), 0, 0
+
+    async def task(client: AsyncO3Client) -> None:
+        nonlocal sent, missing
+        while loop.time() < end:
+            sent += 1
+            try:
+                await client.generate(next(sizes), max_tokens=args.max_tokens, priority="low")
+                outcomes["done"] += 1
+            except RequestError as exc:
+                outcomes[exc.code] += 1
+            except DaemonUnavailable:
+                missing += 1
+
+    clients = [AsyncO3Client(args.endpoint, timeout=30.0) for _ in range(args.clients)]
+    try:
+        await asyncio.gather(*(task(c) for c in clients for _ in range(args.inflight)))
+    finally:
+        for c in clients:
+            await c.close()
+    return sent, outcomes, missing
 
 
 if __name__ == "__main__":

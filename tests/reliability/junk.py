@@ -10,7 +10,6 @@ EOF).
 
 import argparse
 import json
-import os
 import resource
 import select
 import socket

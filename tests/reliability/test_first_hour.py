@@ -4,7 +4,6 @@ pipe, a deadline that passes mid-stream is not called a refusal, estimates are l
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 

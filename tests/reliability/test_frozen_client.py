@@ -10,16 +10,19 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from o3edge.ipc.client import O3Client
 from tests.helpers import wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_frozen_streaming_client_gets_exactly_one_final_reply(rel_daemon, figures):
+@pytest.mark.parametrize("helper", ["stream_client.py", "aio_stream_client.py"])  # blocking and asyncio clients
+def test_frozen_streaming_client_gets_exactly_one_final_reply(rel_daemon, figures, helper):
     with O3Client(rel_daemon.endpoint, timeout=10.0) as c:
         dropped_before = c.stats()["dropped_peers"]
-        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "stream_client.py"), rel_daemon.endpoint, "2000"],
+        proc = subprocess.Popen([sys.executable, os.path.join(HERE, helper), rel_daemon.endpoint, "2000"],
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
         try:
             assert proc.stdout.readline().strip() == "started"
@@ -36,7 +39,7 @@ def test_frozen_streaming_client_gets_exactly_one_final_reply(rel_daemon, figure
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)
                 proc.kill()
-        figures("frozen_client", **result, final_reply_within_s_of_resume=round(resumed_s, 2))
+        figures("frozen_client" + ("_asyncio" if helper.startswith("aio") else ""), **result, final_reply_within_s_of_resume=round(resumed_s, 2))
         if result["final"] == "unavailable":  # the connection was closed: the client says so
             assert "closed the connection" in result["message"] and result["finals"] == 0
         else:

@@ -3,7 +3,6 @@ several clients at once; every request gets exactly one final reply, and RSS, fi
 threads and KV blocks end where they started. The default run sends 200; `-m reliability_long`
 runs 10,000."""
 
-import os
 import random
 import threading
 import time
