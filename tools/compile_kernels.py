@@ -8,6 +8,7 @@ arguments, same constexprs) to PTX and a cubin with Triton's bundled ptxas, as t
 
     python tools/compile_kernels.py            # compile all, print one line per kernel
     python tools/compile_kernels.py --pdl 0    # without programmatic dependent launch
+    python tools/compile_kernels.py --arch 87 --pdl 0   # for a Jetson Orin (sm_87; 86: RTX 30, 89: RTX 40)
 
 Must run without TRITON_INTERPRET (it unsets it for itself when run as a script).
 """
@@ -175,7 +176,8 @@ def resources(compiled, arch: int = 90) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(compiled.asm["ptx"])
         f.flush()
-        report = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
+        name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"  # the "a" (arch-specific) targets start at Hopper
+        report = subprocess.run([str(ptxas), "-v", f"--gpu-name={name}", f.name, "-o", os.devnull],
                                 capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
