@@ -5,6 +5,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit,temperature.gpu --format=csv > $R/machine.txt
-timeout 330 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $R/tests-gpu.log 2>&1; tail -3 $R/tests-gpu.log
-timeout 150 python3 -m pytest -q -x tests/engine/test_kernels.py tests/engine/test_kv_quantize.py -p no:cacheprovider > $R/tests-kernels.log 2>&1; tail -1 $R/tests-kernels.log
+timeout 280 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > $R/tests-gpu.log 2>&1; tail -3 $R/tests-gpu.log
+timeout 80 python3 -m pytest -q -x tests/engine/test_kernels.py tests/engine/test_kv_quantize.py -p no:cacheprovider > $R/tests-kernels.log 2>&1; tail -1 $R/tests-kernels.log
 tar czf $OUT/call4.tar.gz -C $OUT r && rm -rf $R
