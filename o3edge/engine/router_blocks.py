@@ -195,6 +195,7 @@ class RouterBlocks(BlockManager):
             old.hash, old.token_ids, old.ref_count = None, (), 0
             table[i] = new_id
         if moves:
+            seq.table_edits += 1
             self.demoter.move(moves)  # the data: at the next flush_moves
         self.num_demoted += len(moves)
         return len(moves)

@@ -252,7 +252,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         heads = []  # each row's first five columns, written in one assignment
         for b, (seq, _) in enumerate(batch):
             pos, table = seq.num_computed_tokens + ahead, seq.block_table
-            tables, comp, t = self.cached(seq.seq_id, table[:pos // bs + 1], self._split)
+            tables, comp, t = self.cached(seq, pos // bs + 1, self._split)
             token = 0 if ahead else seq.token_ids[pos]  # a queued step's tokens are read on the device
             heads.append((token, pos, table[pos // bs] * bs + pos % bs, pos - comp * bs, comp))
             meta[b, 5:5 + 2 * mb] = tables

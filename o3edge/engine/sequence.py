@@ -84,6 +84,9 @@ class Sequence:
     num_prompt_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    # changes of block_table's entries in place (the token router's demotions): with the list's identity and
+    # length, what tells that its entries are the same as at the last step (cuda_graph.DecodeGraphs.cached)
+    table_edits: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_cached_tokens: int = 0  # of those, found in the prefix cache rather than computed
     num_cold_tokens: int = 0  # of those, copied in from the cold tier
