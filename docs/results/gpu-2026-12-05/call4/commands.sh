@@ -1,4 +1,4 @@
-# call 4 (2026-12-05): every GPU test on the code with INT4 prompt tiles and the router's move graph on by default,
+# call 4 (2026-12-05): every GPU test on the code with INT4 prompt tiles and the router's move graph on by default and decode metadata rows memoized by table identity (982c944),
 # then the kernel tests compiled (they run under Triton's interpreter in CI)
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
