@@ -262,10 +262,9 @@ class DecodeGraphs:
         row every step was most of the host's metadata work (tools/profile_router_step.py --trace). The table
         is the same when it is the same list (allocate and free_seq put a new one in place), n is the same,
         and no entry was replaced in place since (seq.table_edits: the router's demotions; appends only add
-        entries past n). Comparing the entries themselves instead (a copy of the list and an equality test
-        each row each step), the host's decode step at 16 x 3,840 tokens on the CPU machine took 0.099-0.104 ms
-        (router INT8's ordinary steps 0.119-0.129) against 0.094-0.102 (0.114-0.116) this way
-        (tools/bench_host_step.py, alternating)."""
+        entries past n). The entries themselves were compared before (a copy of the list and an equality test
+        each row each step): with fill_meta's rows kept, the host's step is 9% lighter
+        (docs/results/cpu-host-step-2026-12-05/)."""
         table, hit = seq.block_table, self.memo.get(seq.seq_id)
         if hit is not None and hit[0] is table and hit[1] == n and hit[2] == seq.table_edits:
             return hit[3]
@@ -278,10 +277,11 @@ class DecodeGraphs:
     def fill_meta(self, meta, batch, B: int, ahead: int, parity: int | None = None) -> None:
         """Rows of a step's host metadata (numpy) for batch, then padding rows up to bucket B. parity: meta is
         host buffer `parity`, whose rows' block tables are written only where they changed (row_made); None:
-        every row written. At 16 x 3,840 tokens on the CPU machine (tools/bench_step_meta.py) a step's rows
-        took 14 us with every table written, 6.6 this way (the router's 15.5 and 8); the host's whole decode
-        step (tools/bench_host_step.py, alternating with 894534c, which compared each table's entries)
-        0.099-0.114 -> 0.090-0.096 ms, router INT8's ordinary steps 0.116-0.124 -> 0.109-0.117."""
+        every row written. At 16 x 3,840 tokens on the CPU machine, against 894534c (every table's entries
+        compared and written each step), alternating (docs/results/cpu-host-step-2026-12-05/): a step's rows
+        13.4-14.0 -> 6.4-6.6 us, the router's 15.6-16.8 -> 7.8-8.4 (tools/bench_step_meta.py); the host's whole
+        decode step 0.0995-0.104 -> 0.0906-0.0975 ms, router INT8's ordinary steps 0.116-0.145 -> 0.108-0.113
+        (tools/bench_host_step.py)."""
         bs, made = self.block_size, self.row_made[parity] if parity is not None else None
         for b, (seq, _) in enumerate(batch):
             pos = seq.num_computed_tokens + ahead
