@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 R=$OUT/r; mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit,temperature.gpu --format=csv > $R/machine.txt
-timeout 150 python3 -m pytest -v -m gpu tests/engine/test_router_graph.py tests/engine/test_gpu.py -p no:cacheprovider > $R/tests-gpu.log 2>&1; tail -3 $R/tests-gpu.log
-timeout 55 python3 tools/bench_router.py --gpu --shape model --context 3840 --batch 16 --rounds 1 --only off,router-int8 \
+timeout 115 python3 -m pytest -v -m gpu tests/engine/test_router_graph.py tests/engine/test_gpu.py -p no:cacheprovider > $R/tests-gpu.log 2>&1; grep -cE 'PASSED' $R/tests-gpu.log; grep -E 'FAILED|ERROR' $R/tests-gpu.log | head; tail -1 $R/tests-gpu.log
+[ -n "$BENCH" ] && timeout 55 python3 tools/bench_router.py --gpu --shape model --context 3840 --batch 16 --rounds 1 --only off,router-int8 \
   --json $R/router.json 2>&1 | grep -E "x of full|tok/s" | tail -3
 tar czf $OUT/call4.tar.gz -C $OUT r && rm -rf $R
