@@ -1,4 +1,4 @@
-# call 4 (2026-12-05): the GPU tests of the graph paths on the code with INT4 prompt tiles and the router's move graph
+# planned call 4 (2026-12-05; no device machine started for it, and too little device time was left: run it in the next session with a GPU): the GPU tests of the graph paths on the code with INT4 prompt tiles and the router's move graph
 # on by default and decode metadata rows memoized by table identity and written only where they changed (e447482):
 # the router's graph steps and the plain graph path (launched ahead, INT4, sampling); then one round of whole decode
 # on the trained model, full precision beside the router (indicative only: no run of the code before in this call).
