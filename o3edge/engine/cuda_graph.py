@@ -274,6 +274,11 @@ class DecodeGraphs:
         self.memo[seq.seq_id] = (table, n, seq.table_edits, value)
         return value
 
+    def rows_made(self, parity: int | None, n: int) -> list:
+        """What the block-table columns of host buffer `parity`'s rows hold (row_made, kept up to date by
+        fill_meta); parity None: a buffer of unknown content, every row to be written."""
+        return self.row_made[parity] if parity is not None else [None] * n
+
     def fill_meta(self, meta, batch, B: int, ahead: int, parity: int | None = None) -> None:
         """Rows of a step's host metadata (numpy) for batch, then padding rows up to bucket B. parity: meta is
         host buffer `parity`, whose rows' block tables are written only where they changed (row_made); None:
@@ -282,17 +287,15 @@ class DecodeGraphs:
         13.4-14.0 -> 6.4-6.6 us, the router's 15.6-16.8 -> 7.8-8.4 (tools/bench_step_meta.py); the host's whole
         decode step 0.0995-0.104 -> 0.0906-0.0975 ms, router INT8's ordinary steps 0.116-0.145 -> 0.108-0.113
         (tools/bench_host_step.py)."""
-        bs, made = self.block_size, self.row_made[parity] if parity is not None else None
+        bs, made = self.block_size, self.rows_made(parity, len(batch))
         for b, (seq, _) in enumerate(batch):
             pos = seq.num_computed_tokens + ahead
             table = seq.block_table
             meta[b, 0], meta[b, 1] = (0 if ahead else seq.token_ids[pos]), pos
             meta[b, 2] = table[pos // bs] * bs + pos % bs
             row = self.cached(seq, len(table), _int32)
-            if made is None or made[b] is not row:
-                meta[b, 3:3 + len(table)] = row
-                if made is not None:
-                    made[b] = row
+            if made[b] is not row:
+                meta[b, 3:3 + len(table)] = made[b] = row
         meta[len(batch):B, :3] = (0, 0, self.runner.scratch_slot)  # padding rows: scratch slot, self only
 
     def _fill_sampling(self, parity: int, batch, B: int) -> int:

@@ -248,7 +248,7 @@ class RouterDecodeGraphs(DecodeGraphs):
 
     def fill_meta(self, meta, batch, B: int, ahead: int, parity: int | None = None) -> None:
         bs, mb, nf = self.block_size, self.max_blocks, self.runner.router.num_full_blocks
-        made = self.row_made[parity] if parity is not None else None
+        made = self.rows_made(parity, len(batch))
         self.rows = [] if self.mass is not None and self.runner.router.observing_now(ahead) else None
         heads = []  # each row's first five columns, written in one assignment
         for b, (seq, _) in enumerate(batch):
@@ -257,10 +257,8 @@ class RouterDecodeGraphs(DecodeGraphs):
             tables, comp, t = value
             token = 0 if ahead else seq.token_ids[pos]  # a queued step's tokens are read on the device
             heads.append((token, pos, table[pos // bs] * bs + pos % bs, pos - comp * bs, comp))
-            if made is None or made[b] is not value:
-                meta[b, 5:5 + 2 * mb] = tables
-                if made is not None:
-                    made[b] = value
+            if made[b] is not value:
+                meta[b, 5:5 + 2 * mb], made[b] = tables, value
             if self.rows is not None:
                 full = t < nf  # arrays, not lists: observation_meta writes them into its rows as they are
                 self.rows.append((seq, np.flatnonzero(full), np.flatnonzero(~full)))

@@ -191,13 +191,13 @@ class MoveGraph:
     """A flush's demotions as one CUDA graph replay for every `capacity` moves (on CUDA, unless
     O3EDGE_ROUTER_MOVE_GRAPH=0), instead of move_blocks' ids copy, two scratch allocations, the kernel's launch
     and two index copies. On the H200's host a flush of 170 moves took 1.13 ms of host time that way and 0.45 ms
-    by the graph (tools/bench_demotions.py --mode int8; docs/results/gpu-2026-12-05/call1/). The graph copies a pinned host buffer (the number of moves, the sources, the
-    destinations) to the device, quantizes the sources into a scratch that lives with it, then places the
-    codes and scales: every source of a replay read before any of its destinations is written, as
-    move_blocks does. Replays run in stream order, so a later one's sources, never a block hosting codes
-    (those are demoted already), are read after an earlier one's writes without harm. Two host buffers, used in
-    turn, each written again only once the device has read it (an event). Without capture (CPU tests under
-    Triton's interpreter) the same three operations run one by one."""
+    by the graph (tools/bench_demotions.py --mode int8; docs/results/gpu-2026-12-05/call1/). The graph copies a
+    pinned host buffer (the number of moves, the sources, the destinations) to the device, quantizes the sources
+    into a scratch that lives with it, then places the codes and scales: every source of a replay read before any
+    of its destinations is written, as move_blocks does. Replays run in stream order, so a later one's sources,
+    never a block hosting codes (those are demoted already), are read after an earlier one's writes without harm.
+    Two host buffers, used in turn, each written again only once the device has read it (an event). Without
+    capture (CPU tests under Triton's interpreter) the same three operations run one by one."""
 
     def __init__(self, kv: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block_size: int, mode: str,
                  rotation: torch.Tensor | None, capacity: int, capture: bool):
