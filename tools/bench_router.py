@@ -452,9 +452,37 @@ def decode_once(path, prompts, warm, label: str, graphs: bool, a) -> dict:
            "by_kind": by_kind(kinds)}  # the router's refresh steps, the steps after them, ...
     if graph_path is not None:  # steps taken from the launch-ahead queue, of the graph steps
         row.update(graph_steps=graph_path.num_steps, steps_launched_ahead=graph_path.num_ahead_taken)
+        if graph_path.capture:
+            row.update(replay_ms(graph_path, a.batch))
     del eng
     free_device_memory()
     return row
+
+
+def replay_ms(graphs, batch: int, n: int = 200) -> dict:
+    """The device's time for one decode step alone: the last step's graph (and the router's observing one)
+    replayed n times back to back, timed by CUDA events, once the decode is over (its metadata and tables
+    as that step left them; the K/V the replays write go to slots nothing reads after). The host launches
+    a replay in a few microseconds, so the queue stays full and the figure is the GPU's step, which a step
+    of the whole engine cannot go below however light its host work: the half of a step the router's
+    fewer bytes can shorten."""
+    B = next(b for b in graphs.batch_buckets if b >= batch)
+    out = {}
+    observe = getattr(graphs, "observe_graphs", {})
+    for name, table in (("graph_replay_ms", graphs.graphs), ("observe_replay_ms", observe)):
+        if (B, 0) not in table:
+            continue
+        graph = table[(B, 0)][0]
+        graph.replay()  # its first replay since the decode
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        out[name] = round(start.elapsed_time(end) / n, 4)
+    return out
 
 
 def over_rounds(rounds: list[dict], off: list[dict]) -> dict:

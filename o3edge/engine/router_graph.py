@@ -35,6 +35,7 @@ get their codes (KVRouter.flush_moves) before a step is launched.
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import torch
@@ -53,8 +54,9 @@ def router_attention_per_sm(mode: str) -> int:
     layer at 4 splits, 48.1 at 3, 53.9 at 5; INT4 50.0 at 4, 64.5 at 3, 52.3 at 8. Before the cap (INT4 at 160
     registers, three an SM; docs/results/gpu-2026-12-02c/attention/): INT8 41.7 at 4 splits, 45.8 at 3;
     INT4 56.9 at 3, 62.6 at 4; the reference model at 16 x 3,840 (2 KV heads, 32 programs a split): INT8
-    12.8 at 16 splits, 20.3 at 9, 15.4 at 32; INT4 18.7 at 12, 19.3 at 16, 23.0 at 9."""
-    return 4
+    12.8 at 16 splits, 20.3 at 9, 15.4 at 32; INT4 18.7 at 12, 19.3 at 16, 23.0 at 9.
+    O3EDGE_ROUTER_PER_SM=N takes N instead (a measurement switch)."""
+    return int(os.environ.get("O3EDGE_ROUTER_PER_SM", "4"))
 
 
 class RouterDecodeGraphs(DecodeGraphs):
