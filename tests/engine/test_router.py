@@ -530,18 +530,14 @@ def router_meta(rows, max_blocks, scratch_slot, bs):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-# key splits; apart: each split reads one pool (the default), or its chunk of both (O3EDGE_ROUTER_POOLS_APART=0);
-# 5 splits over these rows: a pool's share of splits and its chunks uneven
-@pytest.mark.parametrize("splits,apart", [(1, "1"), (3, "1"), (3, "0"), (5, "1")])
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # half: the tensor-core path, 64 keys a tile
 # codes on the tensor cores, scaled after; INT4 rotated by butterflies; f16: those dots in float16 whatever the cache's
 # halves: INT4's codes never interleaved, two dots of half the head dimension (the default; O3EDGE_ROUTER_HALVES=0 off)
 @pytest.mark.parametrize("fast", ["0", "1", "f16", "halves"])
-def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, apart, dtype, fast, monkeypatch,
-                                                             device="cpu"):
+def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype, fast, monkeypatch, device="cpu"):
     from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
 
-    monkeypatch.setenv("O3EDGE_ROUTER_POOLS_APART", apart)
     monkeypatch.setenv("O3EDGE_ROUTER_FAST", "0" if fast == "0" else "1")
     monkeypatch.setenv("O3EDGE_ROUTER_F16", "0" if fast in ("0", "1") else "1")
     monkeypatch.setenv("O3EDGE_ROUTER_HALVES", "1" if fast == "halves" else "0")
@@ -606,26 +602,22 @@ def test_router_decode_kernel_takes_a_large_query_into_float16_range(variant, mo
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("splits,apart", [(1, "1"), (3, "1"), (3, "0"), (5, "1")])
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fast", ["0", "1", "f16", "halves"])
-def test_router_decode_kernel_on_the_gpu(mode, splits, apart, dtype, fast, monkeypatch):
-    test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, apart, dtype, fast, monkeypatch,
-                                                             device="cuda")
+def test_router_decode_kernel_on_the_gpu(mode, splits, dtype, fast, monkeypatch):
+    test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype, fast, monkeypatch, device="cuda")
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("splits,apart", [(1, "1"), (3, "0"), (3, "1")])
-def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, splits, apart, monkeypatch,
-                                                                         device="cpu"):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, splits, device="cpu"):
     """Saliency observed inside the step (for the CUDA graph): every key's attention probability,
     averaged over the heads, at its place in the mass rows, and over two layers they add up; in one key
-    split (a second pass over the keys) and in three (scores stored, observed after the splits), each split
-    reading both pools or one (apart)."""
+    split (a second pass over the keys) and in three (scores stored, observed after the splits)."""
     from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
 
-    monkeypatch.setenv("O3EDGE_ROUTER_POOLS_APART", apart)
     torch.manual_seed(9)
     H, KVH, hd, bs, nblocks, mb = 6, 2, 64, 8, 12, 8
     kv = (torch.randn(2, (nblocks + 1) * bs, KVH, hd) * 2).to(device, dtype)
@@ -676,9 +668,8 @@ def test_observing_into_a_wrong_mass_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits,apart", [(1, "1"), (3, "0"), (3, "1")])
-def test_router_decode_kernel_observes_on_the_gpu(mode, dtype, splits, apart, monkeypatch):
-    test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, splits, apart, monkeypatch,
-                                                                         device="cuda")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_router_decode_kernel_observes_on_the_gpu(mode, dtype, splits):
+    test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, dtype, splits, device="cuda")
 
 

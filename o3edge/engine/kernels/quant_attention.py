@@ -25,7 +25,6 @@ from o3edge.engine.kernels.decode_attention import (attend_range, attend_self, h
                                                      split_range,
                                                      store_rows, store_scores)
 from o3edge.engine.kernels.gemv import offset_half
-from o3edge.engine.kv_quant import bytes_per_vector
 
 
 
@@ -377,8 +376,7 @@ def _router_decode_kernel(
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
         OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr = False,
-        SCORES: tl.constexpr = False, F16: tl.constexpr = False, HALVES: tl.constexpr = False,
-        APART: tl.constexpr = False, W_FULL: tl.constexpr = 1, W_COMP: tl.constexpr = 1):
+        SCORES: tl.constexpr = False, F16: tl.constexpr = False, HALVES: tl.constexpr = False):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
@@ -394,13 +392,7 @@ def _router_decode_kernel(
                                      QK_NORM, PDL, dtype)
 
     # the full-precision keys: this split's chunk of the compacted table
-    if APART:  # each split reads one pool (pool_splits): its chunk of that pool, an empty range of the other
-        start, end, j_start, j_end = pool_ranges(n_full, n_comp, split, NUM_SPLITS, BLOCK_N, NB, W_FULL, W_COMP)
-    else:
-        start, end = split_range(n_full, split, NUM_SPLITS, BLOCK_N)
-        per = tl.cdiv(n_comp, NUM_SPLITS)
-        j_start = split * per
-        j_end = tl.minimum(j_start + per, n_comp)
+    start, end = split_range(n_full, split, NUM_SPLITS, BLOCK_N)
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
     # SCORES (an observing step in key splits): each key's scaled score by head, for _observe_scores_kernel
     score_row = scores_ptr + (b * H + kvh * G).to(tl.int64) * 2 * MASS_P
@@ -419,6 +411,9 @@ def _router_decode_kernel(
     c_scale = sm_scale  # the compressed pool's score scale
     if F16:
         qf, c_scale = _f16_range(qf, sm_scale)
+    per = tl.cdiv(n_comp, NUM_SPLITS)
+    j_start = split * per
+    j_end = tl.minimum(j_start + per, n_comp)
     m_c, l_c, acc_c = softmax_init(G_PAD, HD_PAD)
     ctable = meta + 5 + MAX_BLOCKS
     c_row = score_row + MASS_P  # with SCORES: the compressed keys' scores after the full ones
@@ -465,39 +460,6 @@ def _router_decode_kernel(
                  KV_BLOCK, BLOCK_N, CBLOCK_N, NB, BITS, IEEE, cdtype)
     store_rows(acc_all, l_all, m_safe, out_ptr + b * stride_out, part_o_ptr, part_lse_ptr,
                (b * H + kvh * G + g) * NUM_SPLITS + split, kvh * G + g, g_mask, d, HD, NUM_SPLITS, dtype)
-
-
-@triton.jit
-def pool_ranges(n_full, n_comp, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-                W_FULL: tl.constexpr, W_COMP: tl.constexpr):
-    """pool_splits' partition of one row's keys over NUM_SPLITS (> 1) programs: the first s_f read its n_full
-    full-precision keys (split 0 among them, which also takes the new token), the others its n_comp
-    compressed blocks, s_f in proportion to each pool's bytes (W_FULL a tile of BLOCK_N keys, W_COMP a tile of
-    NB blocks), at least one split each where both have keys. (start, end) of the full keys and (j_start,
-    j_end) of the compressed blocks, one of the two empty, each chunk whole tiles."""
-    bf = tl.cdiv(n_full, BLOCK_N) * W_FULL
-    bc = tl.cdiv(n_comp, NB) * W_COMP
-    s_f = (NUM_SPLITS * bf + (bf + bc) // 2) // tl.maximum(bf + bc, 1)
-    s_f = tl.where(n_comp > 0, tl.minimum(tl.maximum(s_f, 1), NUM_SPLITS - 1), NUM_SPLITS)
-    full = split < s_f
-    chunk = tl.cdiv(tl.cdiv(n_full, s_f), BLOCK_N) * BLOCK_N
-    start = tl.where(full, split * chunk, 0)
-    end = tl.where(full, tl.minimum(start + chunk, n_full), 0)
-    per = tl.cdiv(tl.cdiv(n_comp, tl.maximum(NUM_SPLITS - s_f, 1)), NB) * NB
-    j_start = tl.where(full, 0, (split - s_f) * per)
-    j_end = tl.where(full, 0, tl.minimum(j_start + per, n_comp))
-    return start, end, j_start, j_end
-
-
-def pool_splits() -> bool:
-    """Whether each key split of the router's decode step reads one pool, full-precision keys or compressed
-    blocks, the splits shared between the pools in proportion to their bytes (pool_ranges), rather than every
-    split reading its chunk of both one after the other. A program then waits on memory for one pool's loop
-    instead of two in turn. Off unless O3EDGE_ROUTER_POOLS_APART=1 until measured on the GPU: on the H200 the
-    built-in long model's router step replayed in 0.330-0.337 ms against full precision's 0.302-0.304
-    (tools/bench_router.py --gpu --shape model --context 3840 --batch 16, docs/results/gpu-2026-12-05b/call1/),
-    its programs reading a few tiles of each pool in turn."""
-    return os.environ.get("O3EDGE_ROUTER_POOLS_APART", "0") == "1"
 
 
 def fast_codes() -> bool:
@@ -607,9 +569,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
         OBSERVE=observe and not scored, INTERPRET=INTERPRET, PDL=on, FAST=fast, SCORES=scored,
         F16=f16, HALVES=(mode == "int4" and fast and f16 and not observe and HD & (HD - 1) == 0
-                         and halves_int4()),
-        APART=num_splits > 1 and pool_splits(), W_FULL=block_n * HD * k_cache.element_size() // 64,
-        W_COMP=nb * block_size * bytes_per_vector(mode, HD) // 64, num_warps=warps,
+                         and halves_int4()), num_warps=warps,
         num_stages=stages, **pdl.launch_options(on), **register_cap(observe))
     out = merge_splits(out, part_o, part_lse, num_splits, on)
     if scored:
