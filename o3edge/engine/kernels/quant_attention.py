@@ -555,7 +555,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     # block; on the H200 (llama-1b, 16 sequences at 4,096 tokens, 3 key splits) uniform INT8 took 71.5 us a
     # layer with 64 and 48.3 with 128, INT4 119.5 and 94.0 (tools/bench_attention.py --grid)
     pow2 = block_size & (block_size - 1) == 0
-    block_n, ctile, warps, stages = config or (key_tile(HD), 128, 4, 2)
+    block_n, ctile, warps, stages = config or tiling_override() or (key_tile(HD), 128, 4, 2)
     nb = max(1, ctile // block_size) if pow2 else 1
     cblock = max(16, triton.next_power_of_2(nb * block_size))
     _router_decode_kernel[(B, KVH, num_splits)](
@@ -579,6 +579,13 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
             KV_BLOCK=block_size, NUM_SPLITS=num_splits,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK=block, PDL=on, **pdl.launch_options(on))
     return out
+
+
+def tiling_override() -> tuple[int, ...] | None:
+    """O3EDGE_ROUTER_TILING=BLOCK_N,CTILE,WARPS,STAGES (a measurement switch): the router decode kernel's tiling
+    in every step, as tools/bench_attention.py's config gives it one kernel at a time."""
+    text = os.environ.get("O3EDGE_ROUTER_TILING")
+    return tuple(int(x) for x in text.split(",")) if text else None
 
 
 def observe_splits() -> bool:
