@@ -228,6 +228,11 @@ class BlockManager:
                 self.cached[h] = block.block_id
         self.num_named[seq.seq_id] = n
 
+    def step_marker(self) -> Callable[[Sequence, int], None]:
+        """The mark_computed the engine calls for each sequence of the step it ends (RouterBlocks: this one,
+        where its own has nothing to add)."""
+        return self.mark_computed
+
     # ---- release ---------------------------------------------------------------------------
     def free_seq(self, seq: Sequence) -> None:
         """Drop seq's hold on its blocks; unshared ones join the free list, most recent last."""

@@ -410,12 +410,12 @@ class LLMEngine:
                 kv_ready()  # a run that failed before its forward: the copies still land before any reuse
         self.num_failed_steps = 0
         report = StepReport(t0, time.monotonic_ns())
-        now = time.monotonic()
+        now, mark_computed = time.monotonic(), self.blocks.step_marker()
         for (seq, n), token in zip(batch, tokens):
             is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
             # (prompt tokens processed, tokens generated): a chunk that ends the prompt yields one too
             report.tokens[seq.request_id] = (0 if is_decode else n, 0 if token is None else 1)
-            self.blocks.mark_computed(seq, n)
+            mark_computed(seq, n)
             if token is not None:
                 outputs.append(self._take_token(seq, token, now))
         return outputs, report

@@ -517,6 +517,10 @@ class KVRouter:
         its books started). counted=False: batch is the prompt rows of a step whose decoding rows took the
         graph step, whose end_step counts the step (runner._run_router_split): only the prompts that end are
         routed, now."""
+        quiet = not (self.pending or self.due or self._due()) and self.prepared is None and self.deferred is None
+        if decoding and counted and quiet:  # a graph step between refreshes, nothing planned or due
+            self.step_no += 1  # all that the rest would do
+            return
         if not counted:
             routed = self._routed(batch)
             if routed:

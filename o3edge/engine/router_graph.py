@@ -100,7 +100,10 @@ class RouterDecodeGraphs(DecodeGraphs):
         return 5 + 2 * self.max_blocks
 
     def fits(self, batch) -> bool:
-        return super().fits(batch) and not self.runner.router.needs_eager(batch)
+        """DecodeGraphs.fits and not KVRouter.needs_eager, whose loop over the batch rules out a row of more
+        than one token too: the base class's own loop left out (~1 us a step at 16 sequences on the CPU
+        machine, py-spy of tools/bench_host_step.py)."""
+        return len(batch) <= self.batch_buckets[-1] and not self.runner.router.needs_eager(batch)
 
     def _continues(self, batch) -> bool:
         """DecodeGraphs._continues, once a refresh's due demotions (this step's share) are carried out: on
@@ -233,15 +236,34 @@ class RouterDecodeGraphs(DecodeGraphs):
             router.observed_in_graph(*taken)
         router.prepare_routing(batch)
 
-    def _split(self, table: list[int]) -> tuple:
+    def _split(self, table: list[int], grown: tuple | None = None) -> tuple:
         """Table entries as (the metadata row's two tables: full-precision blocks, then from column max_blocks
-        compressed blocks - num_full_blocks; the number of compressed blocks; the entries as an array, whose
-        split into table indices an observing step makes). Made in Python for every sequence at every step,
-        the router's fill_meta took 0.33 ms a step on the CPU machine (16 tables of ~120 blocks; 0.09 ms
-        then: tools/bench_step_meta.py --against c62e0f1), as much as a whole graph step of a small model
-        on the H200 (tools/profile_router_step.py --trace); fill_meta makes them again only when a
-        sequence's entries changed (a new block, a demotion)."""
-        nf, mb, t = self.runner.router.num_full_blocks, self.max_blocks, np.asarray(table, dtype=np.int32)
+        compressed blocks - num_full_blocks; the number of compressed blocks; the entries in an array of
+        max_blocks, the first len(table) of them, whose split into table indices an observing step makes).
+        Made in Python for every sequence at every step, the router's fill_meta took 0.33 ms a step on the CPU
+        machine (16 tables of ~120 blocks; 0.09 ms then: tools/bench_step_meta.py --against c62e0f1), as much
+        as a whole graph step of a small model on the H200 (tools/profile_router_step.py --trace); fill_meta
+        makes them again only when a sequence's entries changed (a new block, a demotion).
+
+        grown: what this made for the entries before `table`'s (table: only the entries appended since), whose
+        row and count go on from there, its entries array written past them in place (a holder of an earlier
+        value reads no further than its own entries, which do not change). On the CPU machine a table of ~120
+        blocks took ~4.3 us to make whole, and one new block ~1 us this way (timed alone)."""
+        nf, mb = self.runner.router.num_full_blocks, self.max_blocks
+        if grown is not None:
+            row, comp, t = grown
+            row, start = row.copy(), len(t)
+            num_full = start - comp
+            for block_id in table:
+                if block_id < nf:
+                    row[num_full], num_full = block_id, num_full + 1
+                else:
+                    row[mb + comp], comp = block_id - nf, comp + 1
+            t = t.base[:start + len(table)]  # the max_blocks array it is the start of
+            t[start:] = table
+            return row, comp, t
+        t = np.zeros(mb, dtype=np.int32)[:len(table)]  # room for the blocks the sequence goes on to take
+        t[:] = table
         full = t < nf
         f, c = t[full], t[~full] - nf
         row = np.zeros(2 * mb, dtype=np.int32)  # one array to copy into the step's row
@@ -249,20 +271,33 @@ class RouterDecodeGraphs(DecodeGraphs):
         return row, len(c), t
 
     def fill_meta(self, meta, batch, B: int, ahead: int, parity: int | None = None) -> None:
-        bs, mb, nf = self.block_size, self.max_blocks, self.runner.router.num_full_blocks
-        made = self.rows_made(parity, len(batch))
+        """DecodeGraphs.fill_meta with the router's columns (meta_columns). A row's tables come from the memo
+        DecodeGraphs.cached keeps, tested here rather than through a call; a table that only grew since its last
+        step is extended (_split's grown) rather than made again; the rows' first five columns go in by one
+        flat array. At 16 x 3,840 tokens on the CPU machine: 7.8-8.1 -> 6.9-7.2 us a step with the tables
+        unchanged (tools/bench_step_meta.py --against 390bf1a; full precision's 6.3-7.0), and ~11.2 -> ~8.5 with
+        each sequence launched ahead a token a step, a new block every 32 (timed alone; full precision's ~8.3)."""
+        bs, mb, n, nf = self.block_size, self.max_blocks, len(batch), self.runner.router.num_full_blocks
+        made, memo = self.rows_made(parity, n), self.memo
         self.rows = [] if self.mass is not None and self.runner.router.observing_now(ahead) else None
-        heads = []  # each row's first five columns, written in one assignment
+        heads = []  # each row's first five columns, one row after another
         for b, (seq, _) in enumerate(batch):
             pos, table = seq.num_computed_tokens + ahead, seq.block_table
-            value = self.cached(seq, pos // bs + 1, self._split)
-            tables, comp, t = value
-            token = 0 if ahead else seq.token_ids[pos]  # a queued step's tokens are read on the device
-            heads.append((token, pos, table[pos // bs] * bs + pos % bs, pos - comp * bs, comp))
+            k = pos // bs + 1  # the entries the row reads
+            hit = memo.get(seq.seq_id)  # cached's test: the same list, no entry replaced since
+            if hit is None or hit[0] is not table or hit[2] != seq.table_edits or hit[1] > k:
+                value = self.cached(seq, k, self._split)
+            elif hit[1] == k:
+                value = hit[3]
+            else:  # blocks appended since
+                value = self._split(table[hit[1]:k], hit[3])
+                memo[seq.seq_id] = (table, k, hit[2], value)
+            comp, token = value[1], 0 if ahead else seq.token_ids[pos]  # a queued step's tokens: read on the device
+            heads += (token, pos, table[k - 1] * bs + pos % bs, pos - comp * bs, comp)
             if made[b] is not value:
-                meta[b, 5:5 + 2 * mb], made[b] = tables, value
+                meta[b, 5:5 + 2 * mb], made[b] = value[0], value
             if self.rows is not None:
-                full = t < nf  # arrays, not lists: observation_meta writes them into its rows as they are
+                full = value[2] < nf  # arrays, not lists: observation_meta writes them into its rows as they are
                 self.rows.append((seq, np.flatnonzero(full), np.flatnonzero(~full)))
-        meta[:len(batch), :5] = heads
-        meta[len(batch):B, :5] = (0, 0, self.runner.scratch_slot, 0, 0)  # padding rows: scratch slot, self only
+        meta[:n, :5] = np.array(heads, dtype=np.int32).reshape(n, 5)
+        meta[n:B, :5] = (0, 0, self.runner.scratch_slot, 0, 0)  # padding rows: scratch slot, self only

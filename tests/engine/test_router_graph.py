@@ -252,6 +252,37 @@ def test_step_metadata_follows_the_block_tables_it_was_made_from(tiny_dir):
     assert rows()[1, 2 + len(seqs[1].block_table) - 1] == seqs[1].block_table[-1]  # the new block, in the row
 
 
+def test_step_metadata_of_a_table_grown_by_blocks_of_either_pool(tiny_dir):
+    """A row whose sequence's table only grew since its last step is extended rather than made again
+    (fill_meta): the same row as one made whole, in either host buffer, whichever pool the new blocks are in,
+    launched now or ahead, and the same table entries for an observing step's split."""
+    import numpy as np
+
+    eng, runner, graphs, seqs = two_prompts(tiny_dir, "int8")
+    whole = RouterDecodeGraphs(runner, 2, capture=False)  # its rows made whole every time
+    nf, bs, seq = runner.router.num_full_blocks, graphs.block_size, seqs[0]
+    batch = [(seq, 1)]
+    seq.num_computed_tokens = len(seq.block_table) * bs - 1  # the last position of its last block
+    seq.token_ids += [1] * (6 * bs)
+
+    def rows(ahead: int, parity: int) -> tuple:
+        meta, whole.memo = graphs.meta_host[parity].numpy(), {}
+        graphs.fill_meta(meta, batch, 1, ahead, parity)
+        expected = np.zeros((1, whole.meta_columns()), dtype=np.int32)
+        whole.fill_meta(expected, batch, 1, ahead)
+        k = (seq.num_computed_tokens + ahead) // bs + 1
+        return meta[:1], expected, graphs.memo[seq.seq_id][3][2], seq.block_table[:k]
+
+    for step, block_id in enumerate([3, nf + 5, 4, nf + 2, nf + 7]):  # new blocks: full precision or compressed
+        seq.block_table.append(block_id)
+        # queued into the new block (extending the row of the step before), every other step then launched now
+        for ahead, parity in [(1, step % 2)] + ([(0, 1 - step % 2)] if step % 2 else []):
+            got, expected, entries, table = rows(ahead, parity)
+            np.testing.assert_array_equal(got, expected)
+            np.testing.assert_array_equal(entries, table)
+        seq.num_computed_tokens += bs
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_router_key_splits_never_take_more_than_one_wave(mode):
     """The two-pool kernel's key splits fill at most the programs an SM holds at once (router_graph.py),
