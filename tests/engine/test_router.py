@@ -138,6 +138,27 @@ def test_a_refresh_plans_every_sequence_as_it_would_plan_each_alone():
     assert 4 not in plans and 5 not in plans
 
 
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_a_refresh_plans_become_due_whole_or_a_share_a_step(steps):
+    """KVRouter.make_due hands a refresh's plans to `plans` once a step: in one step (each sequence's plan
+    whole, after what `plans` holds for it already) or a share a step over `steps` steps; either way the
+    same demotions in the same order, and a second call in the same step hands over nothing more."""
+    router = KVRouter.__new__(KVRouter)  # the hand-over needs only these, no pools
+    router.cfg = RouterConfig("int8", demotion_steps=steps)
+    router.plans, router.due, router.share, router.released, router.step_no = {7: [(0, 3)]}, [], 0, -1, 10
+    pending = {7: [(2, 11), (5, 12)], 8: [(1, 20)], 9: [(3, 30), (4, 31), (6, 32)]}
+    router.pending = {k: list(v) for k, v in pending.items()}
+    handed = []
+    for _ in range(steps):
+        router.make_due()
+        router.make_due()  # the graph path calls it again at the step's end: no second share
+        handed.append(sum(map(len, router.plans.values())))
+        router.step_no += 1
+    assert router.plans == {7: [(0, 3)] + pending[7], 8: pending[8], 9: pending[9]}
+    assert not router.pending and not router.due
+    assert handed == [1 + min(6, -(-6 // steps) * (k + 1)) for k in range(steps)]  # a share: 6 / steps, rounded up
+
+
 def test_covering_blocks_keep_the_fewest_blocks_that_cover_the_threshold():
     """router_select = "blocks": the sink and recent blocks and the tail count first, demoted blocks never
     come back, and the kept blocks are the fewest, most salient first, that bring the full-precision share

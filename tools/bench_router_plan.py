@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Host time of the token router's refresh bookkeeping, each part timed alone at a refresh of the built-in long
+model (16 sequences of 3,840 tokens, 32-token blocks, ~176 demotions): the refresh step's observation rows
+(KVRouter.observation_meta), the step after it's planning (KVRouter._plan), and the demoting step's hand-over
+of the plans (KVRouter.make_due) and its moves as an array (KVRouter._moves_array, what a flush by the kernel
+or its graph reads). The block books and the flush are tools/bench_demotions.py's; the whole steps
+tools/bench_host_step.py's.
+
+--root PATH imports o3edge from another tree (a `git worktree` of an earlier commit) to measure against; a part
+that tree lacks is left out.
+
+  python tools/bench_router_plan.py [--root PATH] [--repeat 7] [--number 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import timeit
+import types
+
+import numpy as np
+
+BS, NF, B, CTX, DEMOTIONS = 32, 4000, 16, 3872, 176
+
+
+def router(KVRouter, RouterConfig):
+    """A KVRouter with only what the timed parts read."""
+    r = KVRouter.__new__(KVRouter)
+    r.cfg, r.block_size, r.num_full_blocks = RouterConfig(), BS, NF
+    r.books = types.SimpleNamespace(rows={s: s for s in range(B)}, row=lambda seq_id: seq_id)
+    r.moves, r.plans, r.pending, r.due, r.share, r.released, r.step_no = [], {}, {}, [], 0, -1, 7
+    return r
+
+
+def sequences(rng: random.Random) -> list:
+    """B sequences whose sealed blocks are ~70% compressed already (a steady state between refreshes)."""
+    seqs = []
+    for s in range(B):
+        n = CTX // BS + 1
+        table = rng.sample(range(NF), n)
+        for j in range(1, n - 5):
+            if rng.random() < 0.7:
+                table[j] = NF + j + s * 200
+        seqs.append(types.SimpleNamespace(seq_id=s, block_table=table, num_computed_tokens=CTX - 1))
+    return seqs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--number", type=int, default=2000)
+    a = ap.parse_args()
+    sys.path.insert(0, a.root)
+    import torch
+
+    from o3edge.engine.router import KVRouter, RouterConfig
+
+    rng = random.Random(0)
+    r, seqs = router(KVRouter, RouterConfig), sequences(rng)
+    routed = [(seq, CTX, seq.seq_id) for seq in seqs]
+    held = torch.tensor([[rng.random() < 0.2 for _ in range(4096 // BS)] for _ in range(B)])
+    plans = {}
+    r._plan(routed, held, None, plans)
+    pending = {}  # DEMOTIONS demotions spread over the sequences
+    for seq_id, i in sorted(rng.sample([(s, i) for s, plan in plans.items() for i in range(len(plan))], DEMOTIONS)):
+        pending.setdefault(seq_id, []).append(plans[seq_id][i])
+    rows = []  # an observing step's rows: (seq, full-precision table indices, compressed ones)
+    for seq in seqs:
+        comp = np.asarray(seq.block_table) >= NF
+        rows.append((seq, np.flatnonzero(~comp), np.flatnonzero(comp)))
+    moves = [(i, 3000 + i) for i in range(DEMOTIONS)]
+
+    def make_due():
+        r.pending, r.due, r.released, r.plans = {k: list(v) for k, v in pending.items()}, [], -1, {}
+        r.make_due()
+
+    def copy_pending():  # make_due's set-up alone, taken off its time
+        r.pending, r.due, r.released, r.plans = {k: list(v) for k, v in pending.items()}, [], -1, {}
+
+    def moves_array():
+        r.moves = list(moves)
+        return r._moves_array()
+
+    def copy_moves():
+        r.moves = list(moves)
+
+    def us(fn) -> float:
+        return min(timeit.repeat(fn, number=a.number, repeat=a.repeat)) / a.number * 1e6
+
+    parts = {"observation_meta (16 rows)": (lambda: r.observation_meta(rows, 128), None),
+             f"_plan (16 sequences, {sum(map(len, plans.values()))} demotions)":
+                 (lambda: r._plan(routed, held, None, {}), None),
+             f"make_due ({DEMOTIONS} demotions)": (make_due, copy_pending)}
+    if hasattr(KVRouter, "_moves_array"):
+        parts[f"_moves_array ({DEMOTIONS} moves)"] = (moves_array, copy_moves)
+    else:
+        parts[f"np.array of the moves ({DEMOTIONS})"] = (lambda: np.array(moves, dtype=np.int64), None)
+    out = {name: round(us(fn) - (us(setup) if setup else 0.0), 2) for name, (fn, setup) in parts.items()}
+    print(json.dumps({"root": a.root, "min us": out}))
+
+
+if __name__ == "__main__":
+    main()
