@@ -256,7 +256,7 @@ class DecodeGraphs:
             return logits, out
         return self._forward(key)
 
-    def cached(self, seq, n: int, make):
+    def cached(self, seq, n: int, make, grow=None):
         """make(seq.block_table[:n]), made again only when those entries may have changed since the sequence's
         last step (a table changes once a block, not once a token): turning a list of block ids into an array
         row every step was most of the host's metadata work (tools/profile_router_step.py --trace). The table
@@ -264,10 +264,16 @@ class DecodeGraphs:
         and no entry was replaced in place since (seq.table_edits: the router's demotions; appends only add
         entries past n). The entries themselves were compared before (a copy of the list and an equality test
         each row each step): with fill_meta's rows kept, the host's step is 9% lighter
-        (docs/results/cpu-host-step-2026-12-05/)."""
+        (docs/results/cpu-host-step-2026-12-05/). With grow, a table that only grew since (more entries read,
+        none replaced) is grow(the entries appended, what was made for those before) instead of made whole."""
         table, hit = seq.block_table, self.memo.get(seq.seq_id)
-        if hit is not None and hit[0] is table and hit[1] == n and hit[2] == seq.table_edits:
-            return hit[3]
+        if hit is not None and hit[0] is table and hit[2] == seq.table_edits:
+            if hit[1] == n:
+                return hit[3]
+            if grow is not None and hit[1] < n:
+                value = grow(table[hit[1]:n], hit[3])
+                self.memo[seq.seq_id] = (table, n, hit[2], value)
+                return value
         if len(self.memo) > 4 * self.batch_buckets[-1]:  # sequences that ended: forgotten now and then
             self.memo.clear()
         value = make(table[:n])

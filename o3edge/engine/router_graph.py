@@ -271,27 +271,17 @@ class RouterDecodeGraphs(DecodeGraphs):
         return row, len(c), t
 
     def fill_meta(self, meta, batch, B: int, ahead: int, parity: int | None = None) -> None:
-        """DecodeGraphs.fill_meta with the router's columns (meta_columns). A row's tables come from the memo
-        DecodeGraphs.cached keeps, tested here rather than through a call; a table that only grew since its last
-        step is extended (_split's grown) rather than made again; the rows' first five columns go in by one
-        flat array. At 16 x 3,840 tokens on the CPU machine: 7.8-8.1 -> 6.9-7.2 us a step with the tables
-        unchanged (tools/bench_step_meta.py --against 390bf1a; full precision's 6.3-7.0), and ~11.2 -> ~8.5 with
-        each sequence launched ahead a token a step, a new block every 32 (timed alone; full precision's ~8.3)."""
+        """DecodeGraphs.fill_meta with the router's columns (meta_columns). A row's tables come from
+        DecodeGraphs.cached; a table that only grew since its last step is extended (_split's grown) rather than
+        made again; the rows' first five columns go in by one flat array."""
         bs, mb, n, nf = self.block_size, self.max_blocks, len(batch), self.runner.router.num_full_blocks
-        made, memo = self.rows_made(parity, n), self.memo
+        made = self.rows_made(parity, n)
         self.rows = [] if self.mass is not None and self.runner.router.observing_now(ahead) else None
         heads = []  # each row's first five columns, one row after another
         for b, (seq, _) in enumerate(batch):
             pos, table = seq.num_computed_tokens + ahead, seq.block_table
             k = pos // bs + 1  # the entries the row reads
-            hit = memo.get(seq.seq_id)  # cached's test: the same list, no entry replaced since
-            if hit is None or hit[0] is not table or hit[2] != seq.table_edits or hit[1] > k:
-                value = self.cached(seq, k, self._split)
-            elif hit[1] == k:
-                value = hit[3]
-            else:  # blocks appended since
-                value = self._split(table[hit[1]:k], hit[3])
-                memo[seq.seq_id] = (table, k, hit[2], value)
+            value = self.cached(seq, k, self._split, self._split)
             comp, token = value[1], 0 if ahead else seq.token_ids[pos]  # a queued step's tokens: read on the device
             heads += (token, pos, table[k - 1] * bs + pos % bs, pos - comp * bs, comp)
             if made[b] is not value:
