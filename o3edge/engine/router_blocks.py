@@ -79,6 +79,10 @@ class RouterBlocks(BlockManager):
     # ---- the compressed free list --------------------------------------------------------------
     def _comp_unfree(self, block_id: int) -> None:
         del self.comp_free[block_id]
+        self._host_unfree(block_id)
+
+    def _host_unfree(self, block_id: int) -> None:
+        """Compressed block block_id, off the free list, taken: one free slot fewer in its host."""
         host = self._host(block_id)
         if self.host_free[host] == self.per_host:
             self.num_reclaimable -= 1
@@ -170,10 +174,11 @@ class RouterBlocks(BlockManager):
         """demote each of seq.block_table[indices] in turn; how many moved. One loop, the moves handed to the
         router in one call: a refresh demotes ~170 blocks of the built-in long model at 16 x 3,840 tokens in one
         step, whose host time a small model's GPU step does not hide (a refresh's books 0.23-0.30 -> 0.17-0.20 ms
-        on the CPU machine: tools/bench_demotions.py, docs/results/cpu-router-books-2026-12-04/). The free slot's
-        books (_comp_unfree, _forget_name) are kept inline, its id taken by one popitem: 176 demotions' books
-        0.230-0.244 -> 0.198-0.211 ms (tools/bench_demotions.py --device cpu --demotions 176, three alternating
-        rounds)."""
+        on the CPU machine: tools/bench_demotions.py, docs/results/cpu-router-books-2026-12-04/). A free slot's id is
+        taken by one popitem: with the slot's books inlined as well, 176 demotions' books took 0.198-0.211 ms
+        against 0.230-0.244 (tools/bench_demotions.py --device cpu --demotions 176, three alternating rounds);
+        by _host_unfree and _forget_name, as now, 0.197-0.230 against 0.175-0.236 inlined, within this
+        machine's noise (three alternating rounds)."""
         blocks, table, nf, ph = self.blocks, seq.block_table, self.num_full, self.per_host
         comp_free, host_free, cached, free = self.comp_free, self.host_free, self.cached, self.free
         on_cached_free, on_reuse, moves = self.on_cached_free, self.on_reuse, []
@@ -187,14 +192,9 @@ class RouterBlocks(BlockManager):
                 on_cached_free(old)  # the full-precision copy goes to the cold tier
             if comp_free:  # a free compressed slot, least recently freed first (a name cached there dropped)
                 new_id = comp_free.popitem(last=False)[0]
-                host = (new_id - nf) // ph  # _comp_unfree's books
-                left = host_free[host]
-                if left == ph:
-                    self.num_reclaimable -= 1
-                host_free[host] = left - 1
+                self._host_unfree(new_id)
                 new = blocks[new_id]
-                if new.hash is not None and cached.get(new.hash) == new_id:  # _forget_name's (new's name and
-                    del cached[new.hash]  # tokens are written below)
+                self._forget_name(new)
                 free[old_id] = None
                 free.move_to_end(old_id, last=False)  # holds nothing: handed out first
             else:  # the block's own bytes host it and per_host - 1 free compressed slots
