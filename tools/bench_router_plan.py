@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Host time of the token router's refresh bookkeeping, each part timed alone at a refresh of the built-in long
 model (16 sequences of 3,840 tokens, 32-token blocks, ~176 demotions): the refresh step's observation rows
-(KVRouter.observation_meta), the step after it's planning (KVRouter._plan), and the demoting step's hand-over
+(KVRouter.observation_meta) and its end (KVRouter.end_step, where a graph step's routing is deferred), the step
+after it's planning (KVRouter._plan: from the block tables, and from the observing step's rows as a graph refresh
+plans), and the demoting step's hand-over
 of the plans (KVRouter.make_due) and its moves as an array (KVRouter._moves_array, what a flush by the kernel
 or its graph reads). The block books and the flush are tools/bench_demotions.py's; the whole steps
 tools/bench_host_step.py's.
@@ -33,6 +35,7 @@ def router(KVRouter, RouterConfig):
     r.cfg, r.block_size, r.num_full_blocks = RouterConfig(), BS, NF
     r.books = types.SimpleNamespace(rows={s: s for s in range(B)}, row=lambda seq_id: seq_id)
     r.moves, r.plans, r.pending, r.due, r.share, r.released, r.step_no = [], {}, {}, [], 0, -1, 7
+    r.prepared = r.deferred = None
     return r
 
 
@@ -45,7 +48,7 @@ def sequences(rng: random.Random) -> list:
         for j in range(1, n - 5):
             if rng.random() < 0.7:
                 table[j] = NF + j + s * 200
-        seqs.append(types.SimpleNamespace(seq_id=s, block_table=table, num_computed_tokens=CTX - 1))
+        seqs.append(types.SimpleNamespace(seq_id=s, block_table=table, num_computed_tokens=CTX - 1, num_output_tokens=9))
     return seqs
 
 
@@ -69,10 +72,15 @@ def main() -> None:
     pending = {}  # DEMOTIONS demotions spread over the sequences
     for seq_id, i in sorted(rng.sample([(s, i) for s, plan in plans.items() for i in range(len(plan))], DEMOTIONS)):
         pending.setdefault(seq_id, []).append(plans[seq_id][i])
-    rows = []  # an observing step's rows: (seq, full-precision table indices, compressed ones)
+    rows = []  # an observing step's rows: (seq, full-precision table indices, compressed ones, full ids, edits)
     for seq in seqs:
-        comp = np.asarray(seq.block_table) >= NF
-        rows.append((seq, np.flatnonzero(~comp), np.flatnonzero(comp)))
+        seq.table_edits = 0
+        t = np.asarray(seq.block_table, dtype=np.int32)
+        comp = t >= NF
+        rows.append((seq, np.flatnonzero(~comp), np.flatnonzero(comp), t[~comp], 0))
+    observing = hasattr(KVRouter, "_plan_observed")  # a tree whose graph refresh plans from its rows
+    if not observing:
+        rows = [row[:3] for row in rows]
     moves = [(i, 3000 + i) for i in range(DEMOTIONS)]
 
     def make_due():
@@ -89,13 +97,32 @@ def main() -> None:
     def copy_moves():
         r.moves = list(moves)
 
+    batch = [(seq, 1) for seq in seqs]
+
+    def refresh_end():  # a graph refresh step's end: its routing, prepared on the device, deferred
+        r.step_no, r.prepared, r.deferred = 31, ([(seq.seq_id, CTX) for seq in seqs], held, None), None
+        if observing:
+            r.prepared += (rows,)
+        for seq in seqs:
+            seq.num_computed_tokens = CTX - 1
+        r.end_step(batch, decoding=True)
+
+    def refresh_setup():
+        r.step_no, r.prepared, r.deferred = 31, ([(seq.seq_id, CTX) for seq in seqs], held, None), None
+        if observing:
+            r.prepared += (rows,)
+
     def us(fn) -> float:
         return min(timeit.repeat(fn, number=a.number, repeat=a.repeat)) / a.number * 1e6
 
     parts = {"observation_meta (16 rows)": (lambda: r.observation_meta(rows, 128), None),
              f"_plan (16 sequences, {sum(map(len, plans.values()))} demotions)":
                  (lambda: r._plan(routed, held, None, {}), None),
-             f"make_due ({DEMOTIONS} demotions)": (make_due, copy_pending)}
+             f"make_due ({DEMOTIONS} demotions)": (make_due, copy_pending),
+             "end_step of a graph refresh step (16 sequences)": (refresh_end, refresh_setup)}
+    if observing:
+        parts[f"_plan from the observing rows (16 sequences, {sum(map(len, plans.values()))} demotions)"] = (
+            lambda: r._plan(routed, held, None, {}, rows), None)
     if hasattr(KVRouter, "_moves_array"):
         parts[f"_moves_array ({DEMOTIONS} moves)"] = (moves_array, copy_moves)
     else:

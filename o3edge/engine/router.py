@@ -344,8 +344,9 @@ class KVRouter:
         self.due: list[tuple[int, int, int]] = []
         self.share, self.released = 0, -1
         self.prepared = None  # a graph step's routing started on the device (prepare_routing, or
-        # router_graph.py's route graphs): ([(seq_id, context)], holds on the host, event or None)
-        self.deferred = None  # a refresh's routing, planned at the next step's end: (routed, holds, done)
+        # router_graph.py's route graphs): ([(seq_id, context)], holds on the host, event or None, the observing
+        # step's rows or None: _plan's `observed`)
+        self.deferred = None  # a refresh's routing, planned at the next step's end: (routed, holds, done, observed)
         self.moves: list[tuple[int, int]] = []  # (full-precision block, compressed block) to quantize (move)
         # moves quantized by one Triton kernel (kernels/kv_quantize.py) rather than torch operations: on CUDA
         # (O3EDGE_ROUTER_MOVE_KERNEL=0: torch's, to measure against), and on the graph path under Triton's
@@ -540,13 +541,18 @@ class KVRouter:
         self.step_no += 1
         deferred, self.deferred = self.deferred, None
         if deferred is not None:
-            self._plan(*deferred, self.pending)
+            routed_then, holds, done, observed = deferred
+            self._plan(routed_then, holds, done, self.pending, observed)
         if not routed:
             return
         if prepared is not None and prepared[0] == [(seq.seq_id, ctx) for seq, ctx, _ in routed]:
-            _, holds, done = prepared
+            _, holds, done, observed = prepared
         else:
-            holds, done = self._held(routed).cpu(), None
+            holds, done, observed = self._held(routed).cpu(), None, None
+        if decoding:  # a graph refresh step: every routed sequence decodes, its holds read at the next step's end
+            # (which rows were prompts, as a tensor indexing the holds, took ~60 us of a refresh step on the CPU machine)
+            self.deferred = (routed, holds, done, observed)
+            return
         prompt = [seq.num_output_tokens == 0 for seq, _, _ in routed]
         if any(prompt):  # an eager step (holds are on the host)
             if done is not None:
@@ -554,14 +560,16 @@ class KVRouter:
                 done = None
             self._plan([r for r, p in zip(routed, prompt) if p], holds[torch.tensor(prompt)], None, self.plans)
         if not all(prompt):  # a graph step's holds may still be on their way: indexed only on the host path
-            later = torch.tensor([not p for p in prompt])
-            self.deferred = ([r for r, p in zip(routed, prompt) if not p], holds if all(later) else holds[later],
-                             done)
+            later = [not p for p in prompt]
+            self.deferred = ([r for r, p in zip(routed, prompt) if not p],
+                             holds if not any(prompt) else holds[torch.tensor(later)], done, None)
 
-    def _plan(self, routed, holds: torch.Tensor, done, books: dict) -> None:
+    def _plan(self, routed, holds: torch.Tensor, done, books: dict, observed=None) -> None:
         """Plan the demotions of routed [(seq, context, book row)] from holds (_held's rows, on the host
         once `done` is), into books (seq_id -> [(table index, block id)]); sequences that ended or were
-        preempted since are passed over."""
+        preempted since are passed over. observed: the observing graph step's rows, one a routed sequence
+        (router_graph.py: seq, its full-precision table indices, its compressed ones, its full-precision block
+        ids, its table_edits then), whose full-precision entries are the candidates (_plan_observed)."""
         if done is not None:
             done.synchronize()
         bs, nf, rows = self.block_size, self.num_full_blocks, self.books.rows
@@ -570,6 +578,8 @@ class KVRouter:
         if not live:
             return
         held = holds.numpy()
+        if observed is not None and self.cfg.select == "tokens":
+            return self._plan_observed(live, held, observed, books)
         if self.cfg.select == "blocks":  # held: the sealed blocks' saliency, then the total (_held)
             for r, seq, ctx in live:
                 table = seq.block_table[:ctx // bs]
@@ -595,6 +605,39 @@ class KVRouter:
         for i, (_, seq, _) in enumerate(live):
             if ends[i] > (start := ends[i - 1] if i else 0):
                 books[seq.seq_id] = pairs[start:ends[i]]
+
+    def _plan_observed(self, live, held: np.ndarray, observed, books: dict) -> None:
+        """_plan's token routing from the observing step's rows: the candidates are each sequence's full-precision
+        entries as that step read them, so no block table is turned into an array (16 of ~120 blocks, and the
+        masks over all of them, took ~220 us of the step after a refresh on the CPU machine, in place:
+        tools/bench_host_step.py). The same plans as _plan's, in the same order: a block sealed since that step is
+        in the recent window, and the plans of a sequence whose entries were replaced since (a demotion due from an
+        earlier refresh, with router_refresh_steps of 1 or 2) are kept to its entries still full precision."""
+        bs, cfg = self.block_size, self.cfg
+        full = [observed[r] for r, _, _ in live]
+        counts = [len(o[1]) for o in full]
+        index = np.concatenate([o[1] for o in full])  # table indices, row after row, ascending in each row
+        ids = np.concatenate([o[3] for o in full])  # their block ids
+        row = np.repeat(np.arange(len(live)), counts)
+        ctxs = np.array([ctx for _, _, ctx in live])
+        # neither pinned (pinned_rows: an attention sink's block, or one reaching the recent window) nor unsealed,
+        # nor holding a salient token
+        ends = np.minimum(ctxs - cfg.recent_tokens, ctxs - ctxs % bs) // bs
+        ok = (index >= -(-cfg.sink_tokens // bs)) & (index < ends[row])
+        ok &= ~held[np.array([r for r, _, _ in live])[row], np.minimum(index, held.shape[1] - 1)]
+        picked = np.flatnonzero(ok)
+        pairs = list(zip(index[picked].tolist(), ids[picked].tolist()))
+        stops = np.cumsum(np.bincount(row[picked], minlength=len(live))).tolist()
+        start = 0
+        for (_, seq, _), o, stop in zip(live, full, stops):
+            if stop > start:
+                plan = pairs[start:stop]
+                if seq.table_edits != o[4]:
+                    table = seq.block_table
+                    plan = [(i, block_id) for i, block_id in plan if table[i] == block_id]
+                if plan:
+                    books[seq.seq_id] = plan
+            start = stop
 
     def make_due(self) -> None:
         """The demotions planned a step ago (a refresh's) become due, and this step's share of those due
@@ -656,7 +699,7 @@ class KVRouter:
             held = torch.empty(held.shape, dtype=held.dtype, pin_memory=True).copy_(held, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        self.prepared = ([(seq.seq_id, ctx) for seq, ctx, _ in routed], held, done)
+        self.prepared = ([(seq.seq_id, ctx) for seq, ctx, _ in routed], held, done, None)
 
     def _held(self, routed) -> torch.Tensor:
         """Bool [routed, sealed blocks] on the device: whether each sealed block of each routed sequence
@@ -749,7 +792,7 @@ class KVRouter:
 
     def observed_in_graph(self, rows, mass: torch.Tensor) -> None:
         """Add a graph decode step's observation (router_graph.py) to its sequences' books: rows
-        [(seq, table indices of its full-precision blocks, of its compressed blocks)] in step order;
+        [(seq, table indices of its full-precision blocks, of its compressed blocks, ...)] in step order;
         mass [len(rows), KVH, 2, P] the step's probabilities by KV head (kernels/quant_attention.py
         router_decode_attention: full-precision keys in compacted order, then compressed ones), summed
         over the layers. The same books as `_observe` keeps for the eager step, in one scatter."""
@@ -766,7 +809,7 @@ class KVRouter:
         # each row's last four columns, one row after another, written in one assignment: 16 rows 14.7-14.9 ->
         # 11.8-11.9 us on the CPU machine (tools/bench_router_plan.py)
         tails = []
-        for b, (seq, full, comp) in enumerate(rows):
+        for b, (seq, full, comp, _, _) in enumerate(rows):
             pos = seq.num_computed_tokens
             meta[b, :len(full)], meta[b, width:width + len(comp)] = full, comp
             tails += (pos + 1 - len(comp) * bs, len(comp) * bs, book_row(seq.seq_id), pos + 1)

@@ -68,7 +68,8 @@ class RouterDecodeGraphs(DecodeGraphs):
             runner.router.move_kernel = True
         self.sampling = False  # sampled rows: sampled after the graph (graph sampling is the plain path's)
         self.observe_graphs: dict = {}
-        self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices)
+        self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices, the full
+        # ones' block ids, seq.table_edits): what it observes, and what its routing plans from (KVRouter._plan)
         self.observed: dict[int, list] = {}  # ahead (0: launched now, 1: queued) -> rows of an observing step
         self.mass = None
         self.taken = None  # an observing step taken: (its rows, their probabilities), for _taken
@@ -170,7 +171,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         else:
             self._route((B, parity))
         router.prepared = ([(seq.seq_id, seq.num_computed_tokens + 1) for seq, _ in batch],
-                           self.holds_host[parity][:n], done)
+                           self.holds_host[parity][:n], done, observed)
 
     def _attention(self, layer, qkv, cos, sin, meta, heads, splits, q_norm, k_norm, eps, mass=None):
         from o3edge.engine.kernels.quant_attention import router_decode_attention
@@ -288,6 +289,7 @@ class RouterDecodeGraphs(DecodeGraphs):
                 meta[b, 5:5 + 2 * mb], made[b] = value[0], value
             if self.rows is not None:
                 full = value[2] < nf  # arrays, not lists: observation_meta writes them into its rows as they are
-                self.rows.append((seq, np.flatnonzero(full), np.flatnonzero(~full)))
+                index = np.flatnonzero(full)  # with their block ids and the table's edits, what the routing plans from
+                self.rows.append((seq, index, np.flatnonzero(~full), value[0][:len(index)], seq.table_edits))
         meta[:n, :5] = np.array(heads, dtype=np.int32).reshape(n, 5)
         meta[n:B, :5] = (0, 0, self.runner.scratch_slot, 0, 0)  # padding rows: scratch slot, self only

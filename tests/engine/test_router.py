@@ -138,6 +138,44 @@ def test_a_refresh_plans_every_sequence_as_it_would_plan_each_alone():
     assert 4 not in plans and 5 not in plans
 
 
+def test_a_refresh_planned_from_its_observing_rows_plans_what_its_tables_give():
+    """A graph refresh plans from the rows its observing step read (each sequence's full-precision table
+    indices and block ids, router_graph.py) instead of the tables: the same plans in the same order, for
+    sinks and recent windows of any size; an entry demoted since that step (a refresh's demotions due
+    before, with a short router_refresh_steps) is not planned again."""
+    rng = np.random.default_rng(5)
+    nf, bs = 500, 8
+    for sink, recent in ((4, 20), (0, 0), (9, 3), (16, 64)):
+        cfg = RouterConfig("int8", threshold=0.85, sink_tokens=sink, recent_tokens=recent)
+        router = KVRouter.__new__(KVRouter)
+        router.cfg, router.block_size, router.num_full_blocks = cfg, bs, nf
+        router.books = SaliencyBooks(512, "cpu")
+        routed, observed = [], []
+        for i, ctx in enumerate((40, 97, 203, 64, 150, 88, 9)):
+            n = -(-ctx // bs)
+            table = [int(b) if rng.random() < 0.6 else nf + int(b) for b in rng.integers(0, nf, n + (i % 2))]
+            seq = Sequence(seq_id=i, request_id=str(i), token_ids=[1] * ctx, params=GREEDY, block_table=table)
+            if i != 4:  # sequence 4 has ended
+                router.books.row(i)
+            routed.append((seq, ctx, i))
+            t = np.asarray(table[:n])  # what the observing step's row read: the entries up to its position
+            index = np.flatnonzero(t < nf)
+            observed.append((seq, index, np.flatnonzero(t >= nf), t[index].astype(np.int32), seq.table_edits))
+        routed[5][0].block_table = routed[5][0].block_table[:3]  # preempted and readmitted: a shorter table
+        holds = torch.from_numpy(rng.random((len(routed), 512 // bs)) < 0.3)
+        tables, plans = {}, {}
+        router._plan(routed, holds, None, tables)
+        router._plan(routed, holds, None, plans, observed)
+        assert plans == tables
+        assert sum(map(len, plans.values())) > 10 or recent == 64
+        seq = routed[2][0]  # one of its planned entries demoted since the observing step
+        i, block_id = tables[seq.seq_id][1]
+        seq.block_table[i], seq.table_edits = nf + 7, seq.table_edits + 1
+        plans = {}
+        router._plan(routed, holds, None, plans, observed)
+        assert plans[seq.seq_id] == [p for p in tables[seq.seq_id] if p[0] != i]
+
+
 @pytest.mark.parametrize("steps", [1, 2, 3])
 def test_a_refresh_plans_become_due_whole_or_a_share_a_step(steps):
     """KVRouter.make_due hands a refresh's plans to `plans` once a step: in one step (each sequence's plan

@@ -1,0 +1,22 @@
+#!/bin/bash
+# 2026-12-05 nineteenth session, CPU machine (2 cores, AMD EPYC, no GPU). base = a git worktree of 16148a9 at
+# /tmp/base with this commit's tools/bench_router_plan.py and tools/bench_host_step.py copied in; new = this tree.
+# Parts of a refresh cycle timed alone (min of 7 x 2000 calls), alternating, three rounds:
+for i in 1 2 3; do
+  python tools/bench_router_plan.py > plan-new-$i.json
+  (cd /tmp/base && python tools/bench_router_plan.py) > plan-base-$i.json
+done
+# Whole steps in place (the device stubbed, its time taken off; this thread's CPU time), alternating, three rounds:
+for i in 1 2 3; do
+  (cd /tmp/base && python tools/bench_host_step.py --setting router-int8 --batch 16 --context 3840 --steps 128 \
+     --repeat 3 --clock thread --json host-base-router-int8-$i.json)
+  python tools/bench_host_step.py --setting router-int8 --batch 16 --context 3840 --steps 128 --repeat 3 \
+     --clock thread --json host-new-router-int8-$i.json
+done
+# The same again with this tree first in each round (an order effect showed: the second of a pair ran slower):
+for i in 1 2 3; do
+  python tools/bench_host_step.py --setting router-int8 --batch 16 --context 3840 --steps 128 --repeat 3 \
+     --clock thread --json host-new-router-int8-newfirst-$i.json
+  (cd /tmp/base && python tools/bench_host_step.py --setting router-int8 --batch 16 --context 3840 --steps 128 \
+     --repeat 3 --clock thread --json host-base-router-int8-newfirst-$i.json)
+done
