@@ -20,3 +20,7 @@ for i in 1 2 3; do
   (cd /tmp/base && python tools/bench_host_step.py --setting router-int8 --batch 16 --context 3840 --steps 128 \
      --repeat 3 --clock thread --json host-base-router-int8-newfirst-$i.json)
 done
+# How the routing settles over a decode (the real model on this CPU, 4 x 3,840 tokens, 128 steps), and the experiment
+# that covers the threshold without the sinks' and the recent window's saliency:
+python tools/router_settling.py --json settling-4x3840.json
+python tools/router_settling.py --pinned-out --json settling-4x3840-pinned-out.json
