@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from o3edge.engine.decode_step import decode_forward
-from o3edge.engine.kernels import num_sms
+from o3edge.engine.kernels import cuda_index, num_sms
 from o3edge.engine.sampling import counter_sample, counter_settings, sampling_graph
 from o3edge.engine.sequence import SamplingParams
 
@@ -155,10 +155,7 @@ class DecodeGraphs:
         self.last = torch.zeros(B, dtype=torch.long, device=dev)
         self.tokens_hosts = [torch.zeros(B, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
-        # the device's index, for the stream a step's event is recorded on: torch's Event.record() without a stream
-        # looks the current device up through ~10 Python calls (is_available, an environment read...), a few per
-        # cent of a small model's host step on the H200's host (py-spy, docs/benchmarks.md)
-        self.device_index = (dev.index if dev.index is not None else torch.cuda.current_device()) if pinned else None
+        self.device_index = cuda_index(dev)  # the stream a step's event is recorded on, by index (cuda_index)
         self.ahead: list[tuple[int, int, int]] | None = None  # (seq_id, position, token) of the queued step
         self.memo: dict[int, tuple] = {}  # seq_id -> (its table, entries, edits, what fill_meta made: cached)
         # for each host buffer, what `cached` made that each row's block-table columns hold now: a row whose

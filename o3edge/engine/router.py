@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from o3edge.engine.kernels import cuda_index
 from o3edge.engine.kv_quant import bytes_per_vector, code_dim, hadamard, quantize, unpack_int4
 
 ROUTER_MODES = ("off", "int8", "int4")
@@ -321,6 +322,7 @@ class KVRouter:
                  full_bytes_per_token: int, max_len: int | None = None):
         L, _, _, kv_heads, head_dim = kv_cache.shape
         self.cfg, self.block_size, self.device = cfg, block_size, kv_cache.device
+        self.stream_index = cuda_index(self.device)  # an event's stream, looked up by index
         self.num_layers, self.kv_heads, self.head_dim = L, kv_heads, head_dim
         self.num_full_blocks = num_full_blocks
         self.per_host = per_host(cfg.mode, head_dim, kv_cache.element_size())
@@ -698,7 +700,7 @@ class KVRouter:
         if self.device.type == "cuda":
             held = torch.empty(held.shape, dtype=held.dtype, pin_memory=True).copy_(held, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(self.stream_index))
         self.prepared = ([(seq.seq_id, ctx) for seq, ctx, _ in routed], held, done, None)
 
     def _held(self, routed) -> torch.Tensor:

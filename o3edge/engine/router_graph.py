@@ -167,7 +167,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         if self.capture:
             self.route_graphs[(B, parity)][0].replay()
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(self.device_index))
         else:
             self._route((B, parity))
         router.prepared = ([(seq.seq_id, seq.num_computed_tokens + 1) for seq, _ in batch],

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from o3edge.engine.kernels import cuda_index
 from o3edge.engine.kv_quant import QMAX
 
 ROUND = 12582912.0  # 1.5 * 2**23: v + ROUND - ROUND rounds v to an integer, half to even, for |v| < 2**22
@@ -129,6 +130,7 @@ class PinnedStage:
 
     def __init__(self, device: torch.device):
         self.device, self.host, self.read = device, None, None
+        self.stream_index = cuda_index(device)
 
     def to_device(self, values: np.ndarray) -> torch.Tensor:
         if self.read is not None:
@@ -140,7 +142,7 @@ class PinnedStage:
         self.host[:n].numpy()[:] = values
         out = self.host[:n].to(self.device, non_blocking=True)
         self.read = torch.cuda.Event()
-        self.read.record()
+        self.read.record(torch.cuda.current_stream(self.stream_index))
         return out
 
 
@@ -204,6 +206,7 @@ class MoveGraph:
         L, _, _, H, D = kv.shape
         self.kv, self.codes, self.scales, self.bs, self.mode = kv, codes, scales, block_size, mode
         self.capacity, cuda = capacity, kv.device.type == "cuda"
+        self.stream_index = cuda_index(kv.device)  # the replays' events' stream, by index
         self.rot = _rotation(kv, mode, rotation)
         self.ids = torch.zeros(1 + 2 * capacity, dtype=torch.int64, device=kv.device)  # count, sources, dests
         self.host = [torch.zeros(1 + 2 * capacity, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
@@ -249,6 +252,6 @@ class MoveGraph:
                 self.graphs[parity][0].replay()
             else:
                 self._run(parity)
-            if self.kv.device.type == "cuda":
+            if self.stream_index is not None:
                 self.read[parity] = torch.cuda.Event()
-                self.read[parity].record()
+                self.read[parity].record(torch.cuda.current_stream(self.stream_index))
