@@ -20,3 +20,9 @@ run ctile64 O3EDGE_ROUTER_TILING=64,64,4,2
 run full32 O3EDGE_ROUTER_TILING=32,128,4,2
 run nocap O3EDGE_ROUTER_MAXNREG=0 O3EDGE_ROUTER_PER_SM=3
 run first O3EDGE_ROUTER_FAST=0
+# added in the nineteenth session: six programs an SM (24 key splits) where the kernel fits 80 registers, compiled for
+# sm_90 on the CPU machine (tools/kernel_sass.py router --shape ref-long --splits 16 --dtype bfloat16 --env ...):
+# 64-key full tiles and two-block compressed tiles capped at 80 (8 bytes spilled), or 32-key tiles and one-block
+# compressed tiles (80 registers uncapped, none spilled); the default: 104 capped (24 spilled), full precision's 72
+run persm6-ctile64 O3EDGE_ROUTER_TILING=64,64,4,2 O3EDGE_ROUTER_MAXNREG=80 O3EDGE_ROUTER_PER_SM=6
+run persm6-tile32 O3EDGE_ROUTER_TILING=32,32,4,2 O3EDGE_ROUTER_MAXNREG=0 O3EDGE_ROUTER_PER_SM=6
