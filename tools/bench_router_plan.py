@@ -3,7 +3,8 @@
 model (16 sequences of 3,840 tokens, 32-token blocks, ~176 demotions): the refresh step's observation rows
 (KVRouter.observation_meta) and its end (KVRouter.end_step, where a graph step's routing is deferred), the step
 after it's planning (KVRouter._plan: from the block tables, and from the observing step's rows as a graph refresh
-plans), and the demoting step's hand-over
+plans), the three together as a graph refresh takes them (the rows as fill_meta makes them, their observation's
+rows, the plan), and the demoting step's hand-over
 of the plans (KVRouter.make_due) and its moves as an array (KVRouter._moves_array, what a flush by the kernel
 or its graph reads). The block books and the flush are tools/bench_demotions.py's; the whole steps
 tools/bench_host_step.py's.
@@ -72,15 +73,40 @@ def main() -> None:
     pending = {}  # DEMOTIONS demotions spread over the sequences
     for seq_id, i in sorted(rng.sample([(s, i) for s, plan in plans.items() for i in range(len(plan))], DEMOTIONS)):
         pending.setdefault(seq_id, []).append(plans[seq_id][i])
-    rows = []  # an observing step's rows: (seq, full-precision table indices, compressed ones, full ids, edits)
+    # an observing step's rows as each tree's fill_meta makes them: the entries read (split_rows, all rows at once);
+    # or each row's full-precision table indices, compressed ones (and their block ids and the table's edits)
+    batched, observing = hasattr(KVRouter, "split_rows"), hasattr(KVRouter, "_plan_observed")
+    tables = []
     for seq in seqs:
         seq.table_edits = 0
-        t = np.asarray(seq.block_table, dtype=np.int32)
-        comp = t >= NF
-        rows.append((seq, np.flatnonzero(~comp), np.flatnonzero(comp), t[~comp], 0))
-    observing = hasattr(KVRouter, "_plan_observed")  # a tree whose graph refresh plans from its rows
-    if not observing:
-        rows = [row[:3] for row in rows]
+        tables.append(np.asarray(seq.block_table, dtype=np.int32))
+
+    def made_rows() -> list:
+        if batched:
+            return [(seq, t, 0) for seq, t in zip(seqs, tables)]
+        rows = []
+        for seq, t in zip(seqs, tables):
+            full = t < NF
+            index = np.flatnonzero(full)
+            rows.append((seq, index, np.flatnonzero(~full), t[index], 0) if observing
+                        else (seq, index, np.flatnonzero(~full)))
+        return rows
+
+    def observed(rows):  # what a graph refresh's plan takes
+        return (rows, r.split_rows(rows)) if batched else rows
+
+    rows = made_rows()
+
+    def refresh_rows():  # the observing step's rows made, its observation's rows, its routing's plan
+        rows = made_rows()
+        if batched:
+            split = r.split_rows(rows)
+            r.observation_meta(rows, 128, split)
+            r._plan(routed, held, None, {}, (rows, split))
+        else:
+            r.observation_meta(rows, 128)
+            r._plan(routed, held, None, {}, rows) if observing else r._plan(routed, held, None, {})
+
     moves = [(i, 3000 + i) for i in range(DEMOTIONS)]
 
     def make_due():
@@ -102,7 +128,7 @@ def main() -> None:
     def refresh_end():  # a graph refresh step's end: its routing, prepared on the device, deferred
         r.step_no, r.prepared, r.deferred = 31, ([(seq.seq_id, CTX) for seq in seqs], held, None), None
         if observing:
-            r.prepared += (rows,)
+            r.prepared += (observed(rows),)
         for seq in seqs:
             seq.num_computed_tokens = CTX - 1
         r.end_step(batch, decoding=True)
@@ -110,19 +136,22 @@ def main() -> None:
     def refresh_setup():
         r.step_no, r.prepared, r.deferred = 31, ([(seq.seq_id, CTX) for seq in seqs], held, None), None
         if observing:
-            r.prepared += (rows,)
+            r.prepared += (observed(rows),)
 
     def us(fn) -> float:
         return min(timeit.repeat(fn, number=a.number, repeat=a.repeat)) / a.number * 1e6
 
-    parts = {"observation_meta (16 rows)": (lambda: r.observation_meta(rows, 128), None),
+    meta_part = "observation_meta (16 rows" + (", the rows split in it)" if batched else ")")
+    parts = {meta_part: (lambda: r.observation_meta(rows, 128), None),
              f"_plan (16 sequences, {sum(map(len, plans.values()))} demotions)":
                  (lambda: r._plan(routed, held, None, {}), None),
              f"make_due ({DEMOTIONS} demotions)": (make_due, copy_pending),
              "end_step of a graph refresh step (16 sequences)": (refresh_end, refresh_setup)}
     if observing:
+        split = observed(rows)  # (with split_rows: made once, as observation_meta and the plan share it)
         parts[f"_plan from the observing rows (16 sequences, {sum(map(len, plans.values()))} demotions)"] = (
-            lambda: r._plan(routed, held, None, {}, rows), None)
+            lambda: r._plan(routed, held, None, {}, split), None)
+    parts["a refresh's rows made, observed and planned from (16 sequences)"] = (refresh_rows, None)
     if hasattr(KVRouter, "_moves_array"):
         parts[f"_moves_array ({DEMOTIONS} moves)"] = (moves_array, copy_moves)
     else:

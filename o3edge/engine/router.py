@@ -263,6 +263,28 @@ class _SeqStep:
     row: int  # its row of the saliency books
 
 
+@dataclass
+class RowSplit:
+    """An observing graph step's rows (router_graph.py: (seq, its block-table entries the step read, its
+    table_edits then)) split into the two pools at once (KVRouter.split_rows): every full-precision entry, row
+    after row and in table order, with its row, table index and block id; every compressed one with its row and
+    table index; and each row's count of each. What the step's observation (observation_meta) and its routing's
+    plan (_plan_observed) read."""
+
+    full_row: np.ndarray
+    full_index: np.ndarray
+    full_ids: np.ndarray
+    full_counts: np.ndarray
+    comp_row: np.ndarray
+    comp_index: np.ndarray
+    comp_counts: np.ndarray
+
+
+def _ranks(rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each element's place within its row, for elements grouped by row (rows ascending, counts by row)."""
+    return np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 class RouterStep:
     """What attention needs in one router-on step; built by KVRouter.begin_step, used by every layer."""
 
@@ -570,8 +592,8 @@ class KVRouter:
         """Plan the demotions of routed [(seq, context, book row)] from holds (_held's rows, on the host
         once `done` is), into books (seq_id -> [(table index, block id)]); sequences that ended or were
         preempted since are passed over. observed: the observing graph step's rows, one a routed sequence
-        (router_graph.py: seq, its full-precision table indices, its compressed ones, its full-precision block
-        ids, its table_edits then), whose full-precision entries are the candidates (_plan_observed)."""
+        (router_graph.py), with their split_rows: their full-precision entries are the candidates
+        (_plan_observed)."""
         if done is not None:
             done.synchronize()
         bs, nf, rows = self.block_size, self.num_full_blocks, self.books.rows
@@ -609,37 +631,35 @@ class KVRouter:
                 books[seq.seq_id] = pairs[start:ends[i]]
 
     def _plan_observed(self, live, held: np.ndarray, observed, books: dict) -> None:
-        """_plan's token routing from the observing step's rows: the candidates are each sequence's full-precision
-        entries as that step read them, so no block table is turned into an array (16 of ~120 blocks, and the
-        masks over all of them, took ~220 us of the step after a refresh on the CPU machine, in place:
-        tools/bench_host_step.py). The same plans as _plan's, in the same order: a block sealed since that step is
-        in the recent window, and the plans of a sequence whose entries were replaced since (a demotion due from an
-        earlier refresh, with router_refresh_steps of 1 or 2) are kept to its entries still full precision."""
+        """_plan's token routing from the observing step's rows (observed: (rows, their split_rows)): the candidates
+        are each sequence's full-precision entries as that step read them, so no block table is turned into an
+        array (16 of ~120 blocks, and the masks over all of them, took ~220 us of the step after a refresh on the
+        CPU machine, in place: tools/bench_host_step.py). The same plans as _plan's, in the same order: a block
+        sealed since that step is in the recent window, and the plans of a sequence whose entries were replaced
+        since (a demotion due from an earlier refresh, with router_refresh_steps of 1 or 2) are kept to its entries
+        still full precision."""
+        rows, split = observed
         bs, cfg = self.block_size, self.cfg
-        full = [observed[r] for r, _, _ in live]
-        counts = [len(o[1]) for o in full]
-        index = np.concatenate([o[1] for o in full])  # table indices, row after row, ascending in each row
-        ids = np.concatenate([o[3] for o in full])  # their block ids
-        row = np.repeat(np.arange(len(live)), counts)
-        ctxs = np.array([ctx for _, _, ctx in live])
         # neither pinned (pinned_rows: an attention sink's block, or one reaching the recent window) nor unsealed,
-        # nor holding a salient token
-        ends = np.minimum(ctxs - cfg.recent_tokens, ctxs - ctxs % bs) // bs
+        # nor holding a salient token; rows of sequences no longer followed take nothing
+        ends = np.full(len(rows), -1, dtype=np.int64)
+        for r, _, ctx in live:
+            ends[r] = min(ctx - cfg.recent_tokens, ctx - ctx % bs) // bs
+        row, index = split.full_row, split.full_index
         ok = (index >= -(-cfg.sink_tokens // bs)) & (index < ends[row])
-        ok &= ~held[np.array([r for r, _, _ in live])[row], np.minimum(index, held.shape[1] - 1)]
+        ok &= ~held[row, np.minimum(index, held.shape[1] - 1)]
         picked = np.flatnonzero(ok)
-        pairs = list(zip(index[picked].tolist(), ids[picked].tolist()))
-        stops = np.cumsum(np.bincount(row[picked], minlength=len(live))).tolist()
-        start = 0
-        for (_, seq, _), o, stop in zip(live, full, stops):
+        pairs = list(zip(index[picked].tolist(), split.full_ids[picked].tolist()))
+        stops = np.cumsum(np.bincount(row[picked], minlength=len(rows))).tolist()
+        for r, seq, _ in live:
+            start, stop = stops[r - 1] if r else 0, stops[r]
             if stop > start:
                 plan = pairs[start:stop]
-                if seq.table_edits != o[4]:
+                if seq.table_edits != rows[r][2]:
                     table = seq.block_table
                     plan = [(i, block_id) for i, block_id in plan if table[i] == block_id]
                 if plan:
                     books[seq.seq_id] = plan
-            start = stop
 
     def make_due(self) -> None:
         """The demotions planned a step ago (a refresh's) become due, and this step's share of those due
@@ -794,28 +814,41 @@ class KVRouter:
 
     def observed_in_graph(self, rows, mass: torch.Tensor) -> None:
         """Add a graph decode step's observation (router_graph.py) to its sequences' books: rows
-        [(seq, table indices of its full-precision blocks, of its compressed blocks, ...)] in step order;
+        [(seq, its block-table entries the step read, its table_edits then)] in step order;
         mass [len(rows), KVH, 2, P] the step's probabilities by KV head (kernels/quant_attention.py
         router_decode_attention: full-precision keys in compacted order, then compressed ones), summed
         over the layers. The same books as `_observe` keeps for the eager step, in one scatter."""
         meta = self.observation_meta(rows, mass.shape[-1] // self.block_size)
         self.observe_books(on_device(torch.from_numpy(meta), self.device), mass)  # one copy
 
-    def observation_meta(self, rows, width: int) -> np.ndarray:
+    def split_rows(self, rows) -> RowSplit:
+        """rows (an observing graph step's: (seq, its table entries as int32, its table_edits)) split into the
+        pools, all rows at once: ~15 array operations whatever the batch, where splitting each row took three
+        (a full-precision mask and two index lists: tools/bench_router_plan.py)."""
+        n, lens = len(rows), np.array([len(t) for _, t, _ in rows], dtype=np.int64)
+        entries = np.concatenate([t for _, t, _ in rows]) if n else np.zeros(0, dtype=np.int32)
+        row = np.repeat(np.arange(n), lens)
+        index = np.arange(len(entries)) - np.repeat(np.cumsum(lens) - lens, lens)  # each entry's table index
+        full = entries < self.num_full_blocks
+        comp = ~full
+        full_row, comp_row = row[full], row[comp]
+        return RowSplit(full_row, index[full], entries[full], np.bincount(full_row, minlength=n), comp_row,
+                        index[comp], np.bincount(comp_row, minlength=n))
+
+    def observation_meta(self, rows, width: int, split: RowSplit | None = None) -> np.ndarray:
         """The host part of observed_in_graph: int64 [len(rows), 2 * width + 4], each row's table indices of
         its full-precision blocks (from column 0) and of its compressed ones (from column width), its
         number of keys in each pool, its book row and the observer's position + 1 (its context). A row of
-        zeros observes nothing and routes nothing."""
+        zeros observes nothing and routes nothing. split: split_rows(rows), when already made."""
+        split = split if split is not None else self.split_rows(rows)
         bs, book_row = self.block_size, self.books.row
         meta = np.zeros((len(rows), 2 * width + 4), dtype=np.int64)
-        # each row's last four columns, one row after another, written in one assignment: 16 rows 14.7-14.9 ->
-        # 11.8-11.9 us on the CPU machine (tools/bench_router_plan.py)
-        tails = []
-        for b, (seq, full, comp, _, _) in enumerate(rows):
-            pos = seq.num_computed_tokens
-            meta[b, :len(full)], meta[b, width:width + len(comp)] = full, comp
-            tails += (pos + 1 - len(comp) * bs, len(comp) * bs, book_row(seq.seq_id), pos + 1)
-        meta[:, 2 * width:] = np.array(tails, dtype=np.int64).reshape(len(rows), 4)
+        meta[split.full_row, _ranks(split.full_row, split.full_counts)] = split.full_index
+        meta[split.comp_row, width + _ranks(split.comp_row, split.comp_counts)] = split.comp_index
+        ends = np.array([seq.num_computed_tokens + 1 for seq, _, _ in rows], dtype=np.int64)
+        comp_keys = split.comp_counts * bs
+        meta[:, 2 * width], meta[:, 2 * width + 1], meta[:, 2 * width + 3] = ends - comp_keys, comp_keys, ends
+        meta[:, 2 * width + 2] = [book_row(seq.seq_id) for seq, _, _ in rows]
         return meta
 
     def observe_books(self, meta: torch.Tensor, mass: torch.Tensor) -> None:

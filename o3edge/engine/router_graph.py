@@ -68,8 +68,8 @@ class RouterDecodeGraphs(DecodeGraphs):
             runner.router.move_kernel = True
         self.sampling = False  # sampled rows: sampled after the graph (graph sampling is the plain path's)
         self.observe_graphs: dict = {}
-        self.rows: list | None = None  # an observing step's rows (seq, full and compressed table indices, the full
-        # ones' block ids, seq.table_edits): what it observes, and what its routing plans from (KVRouter._plan)
+        self.rows: list | None = None  # an observing step's rows (seq, its table entries as read, its table_edits):
+        # what it observes, and what its routing plans from (KVRouter.split_rows, observation_meta, _plan)
         self.observed: dict[int, list] = {}  # ahead (0: launched now, 1: queued) -> rows of an observing step
         self.mass = None
         self.taken = None  # an observing step taken: (its rows, their probabilities), for _taken
@@ -160,8 +160,8 @@ class RouterDecodeGraphs(DecodeGraphs):
             self._capture_routes()  # the books' tables grew: the graphs read the old ones
         parity = self.num_routes % 2  # the holds of the refresh before may still be unread (refresh every step)
         self.num_routes += 1
-        meta = self.obs_host[parity].numpy()
-        meta[:n] = router.observation_meta(observed, self.max_blocks)
+        meta, split = self.obs_host[parity].numpy(), router.split_rows(observed)
+        meta[:n] = router.observation_meta(observed, self.max_blocks, split)
         meta[n:B] = 0
         done = None
         if self.capture:
@@ -171,7 +171,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         else:
             self._route((B, parity))
         router.prepared = ([(seq.seq_id, seq.num_computed_tokens + 1) for seq, _ in batch],
-                           self.holds_host[parity][:n], done, observed)
+                           self.holds_host[parity][:n], done, (observed, split))
 
     def _attention(self, layer, qkv, cos, sin, meta, heads, splits, q_norm, k_norm, eps, mass=None):
         from o3edge.engine.kernels.quant_attention import router_decode_attention
@@ -275,7 +275,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         """DecodeGraphs.fill_meta with the router's columns (meta_columns). A row's tables come from
         DecodeGraphs.cached; a table that only grew since its last step is extended (_split's grown) rather than
         made again; the rows' first five columns go in by one flat array."""
-        bs, mb, n, nf = self.block_size, self.max_blocks, len(batch), self.runner.router.num_full_blocks
+        bs, mb, n = self.block_size, self.max_blocks, len(batch)
         made = self.rows_made(parity, n)
         self.rows = [] if self.mass is not None and self.runner.router.observing_now(ahead) else None
         heads = []  # each row's first five columns, one row after another
@@ -287,9 +287,7 @@ class RouterDecodeGraphs(DecodeGraphs):
             heads += (token, pos, table[k - 1] * bs + pos % bs, pos - comp * bs, comp)
             if made[b] is not value:
                 meta[b, 5:5 + 2 * mb], made[b] = value[0], value
-            if self.rows is not None:
-                full = value[2] < nf  # arrays, not lists: observation_meta writes them into its rows as they are
-                index = np.flatnonzero(full)  # with their block ids and the table's edits, what the routing plans from
-                self.rows.append((seq, index, np.flatnonzero(~full), value[0][:len(index)], seq.table_edits))
+            if self.rows is not None:  # the entries as read: split into the pools for all rows at once, later
+                self.rows.append((seq, value[2], seq.table_edits))
         meta[:n, :5] = np.array(heads, dtype=np.int32).reshape(n, 5)
         meta[n:B, :5] = (0, 0, self.runner.scratch_slot, 0, 0)  # padding rows: scratch slot, self only

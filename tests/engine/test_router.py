@@ -158,22 +158,46 @@ def test_a_refresh_planned_from_its_observing_rows_plans_what_its_tables_give():
             if i != 4:  # sequence 4 has ended
                 router.books.row(i)
             routed.append((seq, ctx, i))
-            t = np.asarray(table[:n])  # what the observing step's row read: the entries up to its position
-            index = np.flatnonzero(t < nf)
-            observed.append((seq, index, np.flatnonzero(t >= nf), t[index].astype(np.int32), seq.table_edits))
+            observed.append((seq, np.asarray(table[:n], dtype=np.int32), seq.table_edits))  # the entries read
         routed[5][0].block_table = routed[5][0].block_table[:3]  # preempted and readmitted: a shorter table
         holds = torch.from_numpy(rng.random((len(routed), 512 // bs)) < 0.3)
-        tables, plans = {}, {}
+        tables, plans, split = {}, {}, router.split_rows(observed)
         router._plan(routed, holds, None, tables)
-        router._plan(routed, holds, None, plans, observed)
+        router._plan(routed, holds, None, plans, (observed, split))
         assert plans == tables
         assert sum(map(len, plans.values())) > 10 or recent == 64
         seq = routed[2][0]  # one of its planned entries demoted since the observing step
         i, block_id = tables[seq.seq_id][1]
         seq.block_table[i], seq.table_edits = nf + 7, seq.table_edits + 1
         plans = {}
-        router._plan(routed, holds, None, plans, observed)
+        router._plan(routed, holds, None, plans, (observed, split))
         assert plans[seq.seq_id] == [p for p in tables[seq.seq_id] if p[0] != i]
+
+
+def test_an_observing_steps_rows_are_split_into_their_pools_row_by_row():
+    """observation_meta, from all rows split at once: each row's full-precision table indices from column 0, its
+    compressed ones from column width, its keys in each pool, its book row and its context; rows with nothing
+    compressed, nothing at full precision, or no entry at all among them."""
+    rng = np.random.default_rng(6)
+    nf, bs, width = 300, 8, 40
+    router = KVRouter.__new__(KVRouter)
+    router.block_size, router.num_full_blocks = bs, nf
+    router.books = SaliencyBooks(width * bs, "cpu")
+    rows = []
+    for i, n in enumerate((12, 1, 40, 7, 0, 25)):
+        table = [int(b) + (nf if rng.random() < [0.5, 0.0, 0.7, 1.0, 0.5, 0.3][i] else 0)
+                 for b in rng.integers(0, nf, n)]
+        seq = Sequence(seq_id=10 + i, request_id=str(i), token_ids=[1] * (n * bs), params=GREEDY, block_table=table)
+        seq.num_computed_tokens = max(0, n * bs - 3)
+        rows.append((seq, np.asarray(table, dtype=np.int32), 0))
+    meta = router.observation_meta(rows, width)
+    for b, (seq, t, _) in enumerate(rows):
+        full, comp = np.flatnonzero(t < nf), np.flatnonzero(t >= nf)
+        expected = np.zeros(2 * width + 4, dtype=np.int64)
+        expected[:len(full)], expected[width:width + len(comp)] = full, comp
+        pos = seq.num_computed_tokens
+        expected[2 * width:] = (pos + 1 - len(comp) * bs, len(comp) * bs, router.books.row(seq.seq_id), pos + 1)
+        assert meta[b].tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3])

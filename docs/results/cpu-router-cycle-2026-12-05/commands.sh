@@ -24,3 +24,10 @@ done
 # that covers the threshold without the sinks' and the recent window's saliency:
 python tools/router_settling.py --json settling-4x3840.json
 python tools/router_settling.py --pinned-out --json settling-4x3840-pinned-out.json
+# The observing step's rows split into the pools for all rows at once (split_rows), against 27472c2 (the plan from
+# per-row splits) and 16148a9, each a worktree with this commit's tools/bench_router_plan.py, three rounds:
+for i in 1 2 3; do
+  python tools/bench_router_plan.py > rows-new-$i.json
+  (cd /tmp/base2 && python tools/bench_router_plan.py) > rows-27472c2-$i.json
+  (cd /tmp/base && python tools/bench_router_plan.py) > rows-16148a9-$i.json
+done
