@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Callable
 import zmq
 
 from o3edge.errors import O3Error
+from o3edge.ipc import peer_ids, replies
 from o3edge.ipc import protocol as P
-from o3edge.ipc import replies
 from o3edge.ipc.access import AccessControl, parse_gids, parse_uids
 from o3edge.ipc.endpoint import EndpointLock, ipc_path, prepare_socket_dir, remove_socket, secure_socket
 from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
@@ -63,8 +63,8 @@ BATCH = 64  # messages read per turn of the I/O thread
 OWED_TTL_S = 600.0  # how long final replies to a client that stopped reading are kept for it
 OWED_MAX_PEERS = 1024
 SHORT_PROMPT_BYTES = 4096  # prompts up to this size take the short lane: never behind a long encode
-# Routing ids of requests from in-process doors (the HTTP door): no ZeroMQ peer can have one (a
-# peer-chosen id never starts with a zero byte; a generated one is 5 bytes long).
+# Routing ids of requests from in-process doors (the HTTP door): a ZeroMQ peer may choose one, but its messages are
+# dropped unread (peer_ids.reserved: a zero byte first and not 5 bytes long, where libzmq's generated ids are 5).
 LOCAL_PREFIX = b"\x00local:"
 
 
@@ -95,7 +95,7 @@ class IPCServer:
         self.started_at = time.monotonic()
         self.draining = False
         self.io_failed = False
-        self.counts = {"requests_total": 0, "rejected": 0, "bad_messages": 0, "dropped_peers": 0}
+        self.counts = {"requests_total": 0, "rejected": 0, "bad_messages": 0, "dropped_peers": 0, "reserved_ids": 0}
         self._socket_path = ipc_path(settings.endpoint)
         self._lock_file = EndpointLock(self._socket_path)
         self._router: zmq.Socket | None = None
@@ -133,6 +133,7 @@ class IPCServer:
                  f" and {self.settings.tcp_endpoint}" if self.settings.tcp_endpoint else "")
 
     def _bind(self) -> zmq.Socket:
+        peer_ids.seed_generated_ids()  # before the socket: where its generated routing ids start (peer_ids.py)
         r = self.ctx.socket(zmq.ROUTER)
         for opt, value in ((zmq.ROUTER_MANDATORY, 1), (zmq.SNDHWM, SNDHWM), (zmq.RCVHWM, RCVHWM),
                            (zmq.LINGER, LINGER_MS), (zmq.MAXMSGSIZE, self.settings.max_message_bytes),
@@ -280,6 +281,13 @@ class IPCServer:
             pass
 
     def _handle(self, identity: bytes, frames: list[bytes], count: int, now: float) -> None:
+        if peer_ids.reserved(identity):  # a peer-chosen id in the reserved space: dropped unread and unanswered
+            self.counts["bad_messages"] += 1
+            self.counts["reserved_ids"] += 1
+            if self.counts["reserved_ids"] & (self.counts["reserved_ids"] - 1) == 0:  # the 1st, 2nd, 4th, 8th...
+                log.warning("dropped %d messages from peers that chose a routing id reserved for generated ones",
+                            self.counts["reserved_ids"])
+            return
         try:
             self._dispatch(identity, frames, count, now)
         except Exception:
@@ -476,7 +484,7 @@ class IPCServer:
 
     def _reject(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
         self.counts["rejected"] += 1
-        log.debug("rejected %r from %s: %s %s", request_id, identity.hex(), code, message)
+        log.debug("rejected %r from %s: %s %s", request_id, peer_ids.tag(identity), code, message)
         self._reply(identity, P.error(request_id, code, message))
 
     def _reply(self, identity: bytes, message: dict) -> None:
@@ -495,7 +503,7 @@ class IPCServer:
                                 f"of {SNDHWM} messages filled); resend the request")
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
-                log.warning("send to %s failed: %s", identity.hex(), exc)
+                log.warning("send to %s failed: %s", peer_ids.tag(identity), exc)
             self._drop_peer(identity, "disconnected")
 
     def _drop_peer(self, identity: bytes, reason: str, ban_until: float | None = None, owe: str | None = None) -> None:
@@ -518,7 +526,7 @@ class IPCServer:
             self.routes.ban(identity, ban_until)
         if rids or ban_until is not None:
             self.counts["dropped_peers"] += 1
-            log.info("dropped client %s: it %s; aborted %d requests", identity.hex(), reason, len(rids))
+            log.info("dropped client %s: it %s; aborted %d requests", peer_ids.tag(identity), reason, len(rids))
 
     def _pay_owed(self, now: float) -> None:
         """Send what clients that stopped reading are owed, as far as their queues have room (lock held)."""
