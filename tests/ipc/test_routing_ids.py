@@ -36,7 +36,7 @@ def test_claiming_the_ids_libzmq_would_generate_next_does_not_abort_the_daemon(t
         ctx = zmq.Context()
         try:
             claimed = [b"\x00" + (FIRST_UNSEEDED + i).to_bytes(4, "big") for i in range(200)]
-            socks = dealers(ctx, d.endpoint, claimed)
+            dealers(ctx, d.endpoint, claimed)  # connected, and kept until ctx.destroy
             time.sleep(1.0)  # their handshakes done
             for _ in range(3):  # ordinary clients: generated ids
                 with O3Client(d.endpoint, timeout=20.0) as c:
