@@ -143,9 +143,15 @@ class Routes:
             raise S.HttpError(408, P.INVALID_REQUEST, f"request body not received within "
                               f"{self.settings.body_timeout_s:g} s") from None
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise S.HttpError(400, P.INVALID_REQUEST, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise S.HttpError(400, P.INVALID_REQUEST, "the request body nests too deeply") from None
+        if _lone_surrogate(body):
+            raise S.HttpError(400, P.INVALID_REQUEST, "the request body holds a lone UTF-16 surrogate escape "
+                              "(\\ud800-\\udfff without its pair), which is not text")
+        return body
 
     def _check_model(self, body: object) -> str:
         served = self.model_name()
@@ -158,6 +164,26 @@ class Routes:
             raise S.HttpError(404, "model_not_found", f"the model {str(asked)[:100]!r} does not exist; this "
                                                       f"daemon serves {served!r}", "model")
         return served
+
+
+def _lone_surrogate(body: object) -> bool:
+    """Whether any string in a parsed JSON body (keys included) holds a lone surrogate: JSON's \\ud800 escapes decode
+    to one, which no tokenizer takes and no UTF-8 holds (a chat role with one left its request unanswered)."""
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _events(batch: list[dict], shaper: S.Shaper, with_usage: bool):

@@ -41,6 +41,18 @@ class Lane:
             self._queues.setdefault(identity, deque()).append((PRIORITY_RANK.get(priority, 2), item))
             self._cond.notify()
 
+    def remove(self, identity: bytes, match: Callable[[object], bool]) -> None:
+        """Take a connection's waiting items that `match` out of the lane (a cancelled request's prompt)."""
+        with self._cond:
+            queue = self._queues.get(identity)
+            if queue is None:
+                return
+            kept = deque(entry for entry in queue if not match(entry[1]))
+            if kept:
+                self._queues[identity] = kept  # (keeps its place in the turn order)
+            else:
+                del self._queues[identity]
+
     def discard(self, identity: bytes) -> None:
         """Forget a connection's waiting items (it was dropped)."""
         with self._cond:

@@ -410,16 +410,26 @@ class IPCServer:
     def _encode(self, p: Pending) -> None:
         """A lane's thread: tokenize, check the context window, hand the job to the engine loop."""
         view, req = self.loop.view, p.request
+        with self.lock:
+            if p.rid not in self._tokenizing:  # cancelled or its client dropped since it was queued
+                return
         try:
             ids = view.encode(req.prompt, list(req.messages) if req.messages else None)
             if len(ids) >= view.max_model_len:
                 raise O3Error(f"prompt has {len(ids)} tokens; the context window is {view.max_model_len}",
                               P.PROMPT_TOO_LONG)
-        except O3Error as exc:
+        except Exception as exc:  # every failure is answered, with a code: the request must not stay in flight
+            if isinstance(exc, O3Error):
+                code, message = exc.code, exc.message
+            elif isinstance(exc, (TypeError, ValueError, UnicodeError)):  # input the tokenizer cannot take
+                code, message = P.INVALID_REQUEST, f"the prompt could not be tokenized: {type(exc).__name__}"
+            else:
+                log.exception("tokenizing request %r failed", req.id)
+                code, message = P.INTERNAL, "tokenizing the prompt failed"
             with self.lock:
                 if self._take_pending(p.rid):
                     self.routes.remove(p.rid)
-                    self._reject(p.identity, req.id, exc.code, exc.message)
+                    self._reject(p.identity, req.id, code, message)
             return
         with self.lock:
             if self._take_pending(p.rid):  # else cancelled or its client dropped meanwhile
@@ -449,6 +459,8 @@ class IPCServer:
         with self.lock:
             rid = self.routes.find(identity, req.target)
             if rid is not None and (self._take_pending(rid) or self._cancel_remote(rid)):  # answer it here
+                for lane in self._lanes:  # a queued prompt leaves its lane now (it held its slot until here)
+                    lane.remove(identity, lambda item: item.rid == rid)
                 self.routes.remove(rid)
                 self._reply(identity, P.error(req.target, P.CANCELLED, "cancelled by the client"))
             elif rid is not None:
@@ -558,5 +570,5 @@ def prompt_bytes(req: P.GenerateRequest, limit: int | None = None) -> int:
     if req.prompt is not None:
         if limit is not None and len(req.prompt) > limit:  # at least one byte per character
             return len(req.prompt)
-        return len(req.prompt.encode())
-    return sum(len(str(m.get("content", "")).encode()) for m in req.messages or ())
+        return len(req.prompt.encode(errors="surrogatepass"))
+    return sum(len(str(m.get("content", "")).encode(errors="surrogatepass")) for m in req.messages or ())

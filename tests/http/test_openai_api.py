@@ -106,6 +106,26 @@ def test_errors_in_openai_shape(oai, model_name, http_daemon):
     assert status == 404 and body["error"]["code"] == "not_found"
 
 
+def test_lone_surrogates_and_deep_nesting_are_400_and_the_daemon_serves_on(oai, model_name, http_daemon):
+    """A lone UTF-16 surrogate escape anywhere in a body (a chat role's left its request unanswered and in flight; a
+    prompt's was a 500) and JSON nested 100,000 deep (a 500) are each a 400 invalid_request; nothing stays in flight."""
+    url = http_daemon.url
+    bodies = [b'{"model": "%s", "messages": [{"role": "\\ud800", "content": "hi"}], "max_tokens": 2}',
+              b'{"model": "%s", "messages": [{"role": "user", "content": "a \\udc00 b"}], "max_tokens": 2}',
+              b'{"model": "%s", "prompt": "x\\ud800", "max_tokens": 2}']
+    for path, body in zip(("/chat/completions", "/chat/completions", "/completions"), bodies):
+        status, reply = post(url + path, body.replace(b"%s", model_name.encode()))
+        assert status == 400 and reply["error"]["code"] == "invalid_request", reply
+        assert "surrogate" in reply["error"]["message"]
+    status, reply = post(url + "/completions", b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and "nests too deeply" in reply["error"]["message"]
+    status, reply = post(url + "/chat/completions", json.dumps({"model": model_name, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "pair: \U0001F600"}]}).encode())  # a surrogate pair is text
+    assert status == 200, reply
+    with O3Client(http_daemon.endpoint, timeout=30) as c:
+        assert wait_for(lambda: c.stats()["requests_in_flight"] == 0, timeout=10)
+
+
 def test_deadline_header_reaches_the_scheduler(http_daemon, model_name):
     """X-O3-Deadline-Ms: a deadline that cannot be met ends the request with deadline_exceeded (504)."""
     body = {"model": model_name, "prompt": "x " * 200, "max_tokens": 2000}

@@ -188,6 +188,77 @@ def test_request_errors_do_not_take_the_server_down(serve):
         assert c.health()["ready"]
 
 
+class PickyTokenizer(FakeEngine):
+    """Its tokenizer fails on two prompts (a TypeError, as the tokenizers library raises for text it cannot take,
+    and a bug), and waits for `gate` on the prompt "gate" (its lane held busy); it counts its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.prompts = threading.Event(), []
+
+    @property
+    def calls(self) -> int:
+        return len(self.prompts)
+
+    def encode(self, prompt=None, messages=None):
+        self.prompts.append(prompt)
+        if prompt == "untokenizable":
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+        if prompt == "broken":
+            raise RuntimeError("a bug")
+        if prompt == "gate":
+            self.gate.wait(10)
+        return super().encode(prompt, messages)
+
+
+def test_a_prompt_the_tokenizer_fails_on_is_answered_with_a_code(serve):
+    """Whatever the tokenizer raises, the request gets a coded error and leaves the flight: input it cannot take is
+    invalid_request, anything else internal (a TypeError used to leave the request unanswered and in flight)."""
+    engine = PickyTokenizer()
+    server = serve(lambda: engine)
+    with connect(server) as c:
+        c.wait_ready(5)
+        for prompt, code in (("untokenizable", P.INVALID_REQUEST), ("broken", P.INTERNAL)):
+            with pytest.raises(RequestError) as err:
+                c.generate(prompt, max_tokens=2)
+            assert err.value.code == code
+        assert c.stats()["requests_in_flight"] == 0
+        assert c.generate("still serving", max_tokens=2).text == "<0><1>"
+
+
+def test_a_cancelled_prompt_leaves_the_tokenizer_queue_at_once(serve):
+    """Cancelling a request whose prompt waits to be tokenized takes the prompt out of its lane: one connection's
+    generate-then-cancel pairs no longer pile prompts up in memory, to be tokenized for nothing later."""
+    import msgpack
+
+    engine = PickyTokenizer()
+    server = serve(lambda: engine)
+    ctx = zmq.Context()
+    try:
+        with connect(server) as c:
+            c.wait_ready(5)
+            before = engine.calls  # (a warm-up's, at load)
+            gate = c.stream("gate", max_tokens=2)  # holds the short prompts' lane in the tokenizer
+            assert wait_for(lambda: engine.calls == before + 1)
+            s = ctx.socket(zmq.DEALER)
+            s.connect(server.settings.endpoint)
+            for i in range(50):
+                s.send(msgpack.packb({"v": 1, "op": "generate", "id": f"g{i}", "prompt": "queued " * 200,
+                                      "max_tokens": 2}))
+                s.send(msgpack.packb({"v": 1, "op": "cancel", "id": f"c{i}", "target": f"g{i}"}))
+            replies = []
+            while len(replies) < 100 and s.poll(5000):
+                replies.append(msgpack.unpackb(s.recv()))
+            assert sum(r.get("found") is True for r in replies) == 50
+            assert sum(r.get("code") == P.CANCELLED for r in replies) == 50
+            assert sum(map(len, server._lanes)) == 0
+            engine.gate.set()
+            assert list(gate)[-1].finish_reason in ("length", "stop")
+            assert c.stats()["requests_in_flight"] == 0 and engine.prompts[before:] == ["gate"]
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_hooks_see_every_loop_step_and_finish(serve):
     seen = {"loop": 0, "step": 0, "finish": []}
     hooks = Hooks(on_loop=lambda: seen.__setitem__("loop", seen["loop"] + 1),
