@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -197,14 +198,48 @@ def _print_energy_rows(rows: list) -> None:
     print(f"total: {sum(r.requests for r in rows)} requests, {generated} generated tokens, {joules:.3f} J, {overall}")
 
 
+def _text(value: str) -> str:
+    """An argument that is text: one a terminal gave in another encoding than UTF-8 arrives with its bytes escaped,
+    which no message can carry."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return value
+
+
+def _seconds(positive: bool):
+    """A number of seconds: finite, and above 0 (positive) or at least 0."""
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+        if not math.isfinite(x) or x < 0 or (positive and x == 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'above' if positive else 'of at least'} 0")
+        return x
+    return parse
+
+
+def _integer(value: str) -> int:
+    """An integer a message can carry (msgpack: -2**63 .. 2**64 - 1); the daemon checks the field's own range."""
+    try:
+        x = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if not -2**63 <= x < 2**64:
+        raise argparse.ArgumentTypeError(f"{value} is out of range")
+    return x
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--endpoint", default=None, help="daemon endpoint (default $O3EDGE_ENDPOINT, "
+    common.add_argument("--endpoint", type=_text, default=None, help="daemon endpoint (default $O3EDGE_ENDPOINT, "
                         f"$O3EDGE_SERVER_ENDPOINT or {P.DEFAULT_ENDPOINT})")
-    common.add_argument("--timeout", type=float, default=30.0,
+    common.add_argument("--timeout", type=_seconds(True), default=30.0,
                         help="seconds to wait for the daemon's next message (default 30)")
     common.add_argument("--json", action="store_true", help="print JSON instead of text")
-    common.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+    common.add_argument("--wait", type=_seconds(False), default=0.0, metavar="SECONDS",
                         help="wait up to SECONDS for a daemon that is still starting, and with `health` "
                              "until it is ready (default 0)")
     ap = argparse.ArgumentParser(prog="o3edge-cli", description="Client for the o3edged inference daemon.",
@@ -212,17 +247,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                         "3 daemon not running, 4 permission denied, 130 interrupted")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prompt", parents=[common], help="generate an answer, streamed")
-    p.add_argument("text")
-    p.add_argument("--max-tokens", type=int, default=None,
+    p.add_argument("text", type=_text)
+    p.add_argument("--max-tokens", type=_integer, default=None,
                    help="most tokens to generate (default: the daemon's, 128)")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-k", type=_integer)
+    p.add_argument("--seed", type=_integer)
     p.add_argument("--priority", choices=P.PRIORITIES)
-    p.add_argument("--deadline-ms", type=int)
-    p.add_argument("--system", help="system prompt (chat models)")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--deadline-ms", type=_integer)
+    p.add_argument("--system", type=_text, help="system prompt (chat models)")
+    p.add_argument("--stop", type=_text, action="append", help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="send the text as a plain completion prompt, no chat template")
     p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens even past end-of-text")
     for name, text in (("health", "is the daemon live and ready?"), ("stats", "queue, batch, KV cache, speed"),

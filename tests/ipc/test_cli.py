@@ -84,3 +84,18 @@ def test_user_outside_the_group_gets_permission_denied(daemon, capfd):
     assert os.waitstatus_to_exitcode(status) == 4
     err = capfd.readouterr().err
     assert err.startswith("o3edge-cli: permission denied") and "o3edge" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [["prompt", "hi", "--max-tokens", "99999999999999999999999"],
+                                  ["prompt", "hi", "--timeout", "-1"], ["prompt", "hi", "--timeout", "nan"],
+                                  ["health", "--wait", "inf"], ["prompt", "hi", "--seed", "1e3"],
+                                  ["prompt", b"caf\xe9".decode("utf-8", "surrogateescape")],
+                                  ["prompt", "hi", "--stop", b"\xff".decode("utf-8", "surrogateescape")]])
+def test_arguments_no_message_can_carry_are_usage_errors(args, tmp_path):
+    """Out of range integers, negative or non-finite seconds and arguments that are not UTF-8 (a terminal in
+    another encoding) are usage errors (exit 2, one line naming the argument), not tracebacks; no daemon needed."""
+    r = subprocess.run([sys.executable, "-m", "o3edge.cli", *args, "--endpoint", f"ipc://{tmp_path}/none.sock"],
+                       cwd=REPO, env=clean_env(), capture_output=True, timeout=60)
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 2, err
+    assert "Traceback" not in err and "error: argument" in err
