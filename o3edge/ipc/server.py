@@ -43,7 +43,7 @@ from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
 from o3edge.ipc.intake import Lane
 from o3edge.ipc.routes import Routes
 from o3edge.memory import Trimmer
-from o3edge.policy import RequestLimits
+from o3edge.policy import CLASSES, RequestLimits
 from o3edge.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -449,11 +449,21 @@ class IPCServer:
             return P.TOO_MANY_REQUESTS, (f"at most {self.settings.max_inflight_per_client} requests in flight "
                                          "per client")
         # The engine's scheduler bounds its waiting queue (and answers `busy` itself); this backstop
-        # also bounds what is on its way there, with room for a full running batch.
+        # also bounds what is on its way there, with room for a full running batch. Past it, a request
+        # still goes in while less important ones wait in the engine's queue, one each, for the
+        # scheduler to displace (Scheduler.add: they are answered busy): requests whose clients have
+        # gone, which stay in flight until their final reply fails to send, must not lock out the more
+        # important traffic (an adversarial probe, 2026-12-05: critical requests got busy for an hour).
         limit = self.settings.queue_max_requests + self.loop.view.max_num_seqs
-        if len(self.routes) - len(self._remote) >= limit:
+        past = len(self.routes) - len(self._remote) - limit + 1
+        if past > 0 and past > self._displaceable(req.priority):
             return P.BUSY, f"too many requests in flight ({limit}); retry later"
         return None
+
+    def _displaceable(self, priority: str) -> int:
+        """Requests waiting in the engine's queue, by its last snapshot, in classes less important than `priority`."""
+        classes, rank = self.loop.snapshot.get("classes") or {}, CLASSES.index(priority)
+        return sum(c.get("waiting", 0) for name, c in classes.items() if name in CLASSES and CLASSES.index(name) > rank)
 
     def _cancel(self, identity: bytes, req: P.CancelRequest) -> None:
         with self.lock:

@@ -192,6 +192,17 @@ async def outcome(c: AsyncO3Client, **params) -> tuple[str, float]:
         return exc.code, time.monotonic() - t0
 
 
+async def first_then_hold(c: AsyncO3Client, priority: str, first: asyncio.Future) -> None:
+    """A long stream: `first` gets 'token' at its first token (or the error code), and it goes on until cancelled."""
+    try:
+        async for _ in c.stream(LOW_PROMPT, max_tokens=1500, ignore_eos=True, priority=priority):
+            if not first.done():
+                first.set_result("token")
+    except RequestError as exc:
+        if not first.done():
+            first.set_result(exc.code)
+
+
 async def cancel_all(c: AsyncO3Client, tasks) -> None:
     for t in tasks:
         t.cancel()
@@ -238,6 +249,38 @@ def test_full_queue_answers_busy_at_once(busy_daemon):
     assert codes == ["queued"] * QUEUE_MAX + [P.BUSY] * extra
     assert all(t < 0.5 for code, t in outcomes if code == P.BUSY)
     assert stats["queue_depth"] == QUEUE_MAX
+
+
+def test_a_full_flight_takes_more_important_requests_by_displacing_queued_ones(busy_daemon):
+    """With the batch running and the queue full of low requests, every request in flight counts against the
+    server's backstop (queue + batch); a critical or high one still goes in, and the scheduler displaces a queued
+    low one for it (answered busy), where the backstop used to answer it busy: requests whose clients vanished
+    stay in flight until their final reply, and must not lock out the more important classes. Another low one is
+    still refused at once."""
+    async def main():
+        async with AsyncO3Client(busy_daemon.endpoint, timeout=30) as c:
+            running = await fill_batch_with_long_low(c)
+            queued = [asyncio.create_task(outcome(c, priority="low")) for _ in range(QUEUE_MAX)]
+            end = time.monotonic() + 20
+            while (await c.stats())["classes"]["low"]["waiting"] < QUEUE_MAX and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            firsts, held = [], []
+            try:
+                for priority in ("critical", "high"):  # each kept streaming: in flight until the end
+                    firsts.append(asyncio.get_running_loop().create_future())
+                    held.append(asyncio.create_task(first_then_hold(c, priority, firsts[-1])))
+                    await asyncio.wait_for(firsts[-1], 20)
+                late_low = await outcome(c, priority="low")
+                await asyncio.sleep(0.5)
+                return ([f.result() for f in firsts], late_low,
+                        [t.result() if t.done() else ("queued", None) for t in queued])
+            finally:
+                await cancel_all(c, running + queued + held)
+
+    important, late_low, queued = asyncio.run(main())
+    assert important == ["token", "token"]
+    assert late_low[0] == P.BUSY and late_low[1] < 0.5
+    assert [code for code, _ in queued].count(P.BUSY) == 2
 
 
 def test_breakers_open_on_timeouts_show_in_stats_and_degrade(tmp_path, tiny_dir):
