@@ -11,7 +11,9 @@ only when no allow-list is set.
 
 Connections are counted from the socket's monitor (accepted: +1 for the uid SO_PEERCRED gives
 for the fd; disconnected: -1), read on the same thread that answers ZAP requests, so no lock is
-needed. The handshake events carry no fd, so a connection counts from accept, junk included: a
+needed. They are counted by client process too: when a process's last connection closes, the server
+is told (on_process_gone) and drops that process's requests, which a client that left without
+cancelling would otherwise keep in flight until their final reply failed to send. The handshake events carry no fd, so a connection counts from accept, junk included: a
 uid flooding junk may briefly find its own new connections refused, never other uids'.
 """
 
@@ -26,6 +28,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from typing import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -38,6 +41,7 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"o3edge"
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 LOG_EVERY_S = 10.0
+GONE_TTL_S, GONE_KEPT = 30.0, 4096  # how long, and how many, closed processes are remembered (is_gone)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
@@ -64,8 +68,8 @@ def _ids(text: str, lookup, kind: str):
             raise ConfigError(f"no such {kind}: {item!r}") from None
 
 
-def peer_uid(fd: int) -> int | None:
-    """The uid at the other end of a unix socket, or None (not a unix socket, or already closed)."""
+def peer_creds(fd: int) -> tuple[int, int] | None:
+    """(pid, uid) at the other end of a unix socket, or None (not a unix socket, or already closed)."""
     try:
         s = socket.socket(fileno=fd)
     except OSError:
@@ -73,11 +77,26 @@ def peer_uid(fd: int) -> int | None:
     try:
         if s.family != socket.AF_UNIX:
             return None
-        return _CRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
+        pid, uid, _ = _CRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        return pid, uid
     except OSError:
         return None
     finally:
         s.detach()  # the fd belongs to libzmq
+
+
+def peer_uid(fd: int) -> int | None:
+    """The uid at the other end of a unix socket, or None (not a unix socket, or already closed)."""
+    creds = peer_creds(fd)
+    return None if creds is None else creds[1]
+
+
+def address_pid(address: str) -> int | None:
+    """The process id in a message's Peer-Address on an ipc:// endpoint (`localhost:<uid>:<gid>:<pid>`), or None."""
+    parts = address.split(":")
+    if len(parts) == 4 and parts[0] == "localhost" and parts[3].isdigit():
+        return int(parts[3])
+    return None
 
 
 class AccessControl:
@@ -90,6 +109,13 @@ class AccessControl:
         self.open_by_uid: Counter[int] = Counter()
         self.counts = {"allowed": 0, "refused_uid": 0, "refused_too_many": 0, "refused_tcp": 0}
         self._fd_uid: dict[int, int] = {}
+        # open connections by client process, and processes whose last one closed (pid -> when): the server drops
+        # the requests of a process that is gone (on_process_gone, called on this thread) rather than run them
+        # until their final reply fails to send
+        self.open_by_pid: Counter[int] = Counter()
+        self.gone_pids: dict[int, float] = {}
+        self.on_process_gone: Callable[[int], None] | None = None
+        self._fd_pid: dict[int, int] = {}
         self._last_log: dict[str, float] = {}
         self._zap: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
@@ -170,11 +196,14 @@ class AccessControl:
     def _on_event(self, event: dict) -> None:
         fd = event["value"]
         if event["event"] == zmq.EVENT_ACCEPTED:
-            uid = peer_uid(fd)
+            creds = peer_creds(fd)
             self._forget(fd)
-            if uid is not None:
-                self._fd_uid[fd] = uid
+            if creds is not None:
+                pid, uid = creds
+                self._fd_uid[fd], self._fd_pid[fd] = uid, pid
                 self.open_by_uid[uid] += 1
+                self.open_by_pid[pid] += 1
+                self.gone_pids.pop(pid, None)
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             self._forget(fd)
 
@@ -184,6 +213,29 @@ class AccessControl:
             self.open_by_uid[uid] -= 1
             if self.open_by_uid[uid] <= 0:
                 del self.open_by_uid[uid]
+        pid = self._fd_pid.pop(fd, None)
+        if pid is not None:
+            self.open_by_pid[pid] -= 1
+            if self.open_by_pid[pid] <= 0:
+                del self.open_by_pid[pid]
+                self._process_gone(pid)
+
+    def _process_gone(self, pid: int) -> None:
+        now = time.monotonic()
+        self.gone_pids.pop(pid, None)
+        self.gone_pids[pid] = now  # (oldest first)
+        while len(self.gone_pids) > GONE_KEPT or next(iter(self.gone_pids.values())) < now - GONE_TTL_S:
+            self.gone_pids.pop(next(iter(self.gone_pids)))
+        if self.on_process_gone is not None:
+            try:
+                self.on_process_gone(pid)
+            except Exception:
+                log.exception("dropping the requests of a closed process failed")
+
+    def is_gone(self, pid: int) -> bool:
+        """Whether process pid closed its last connection lately and opened none since (its messages still queued
+        come from a client that will read no reply)."""
+        return pid in self.gone_pids and pid not in self.open_by_pid
 
     def _answer(self, frames: list[bytes]) -> None:
         version, request_id, _domain, address = frames[:4]

@@ -37,7 +37,7 @@ import zmq
 from o3edge.errors import O3Error
 from o3edge.ipc import peer_ids, replies
 from o3edge.ipc import protocol as P
-from o3edge.ipc.access import AccessControl, parse_gids, parse_uids
+from o3edge.ipc.access import AccessControl, address_pid, parse_gids, parse_uids
 from o3edge.ipc.endpoint import EndpointLock, ipc_path, prepare_socket_dir, remove_socket, secure_socket
 from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
 from o3edge.ipc.intake import Lane
@@ -89,13 +89,16 @@ class IPCServer:
         self.ctx = zmq.Context()
         self.access = AccessControl(self.ctx, parse_uids(settings.allowed_uids), parse_gids(settings.allowed_groups),
                                     settings.max_connections_per_uid)
+        self.access.on_process_gone = self._process_gone
         self.loop = EngineLoop(load_engine, self._deliver, self.hooks, idle_wake_s)
         self.lock = threading.RLock()  # the ROUTER socket and self.routes
         self.routes = Routes()
         self.started_at = time.monotonic()
         self.draining = False
         self.io_failed = False
-        self.counts = {"requests_total": 0, "rejected": 0, "bad_messages": 0, "dropped_peers": 0, "reserved_ids": 0}
+        self.counts = {"requests_total": 0, "rejected": 0, "bad_messages": 0, "dropped_peers": 0, "reserved_ids": 0,
+                       "from_closed_processes": 0}
+        self._pids: dict[bytes, int] = {}  # routing id -> its client's process, for ipc:// peers with generate requests
         self._socket_path = ipc_path(settings.endpoint)
         self._lock_file = EndpointLock(self._socket_path)
         self._router: zmq.Socket | None = None
@@ -257,14 +260,19 @@ class IPCServer:
         """Up to BATCH whole messages (lock held), and whether more are waiting."""
         batch = []
         while len(batch) < BATCH and self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            identity, frames, count = self._router.recv(), [], 0
+            identity, frames, count, pid = self._router.recv(), [], 0, None
             while self._router.getsockopt(zmq.RCVMORE):
-                frame = self._router.recv()
+                frame = self._router.recv(copy=False)
                 count += 1
                 self.trimmer.note(len(frame))
+                if count == 1:  # the client's process, on an ipc:// endpoint (access.address_pid)
+                    try:
+                        pid = address_pid(frame.get("Peer-Address"))
+                    except zmq.ZMQError:  # no such property (not a socket connection)
+                        pass
                 if count <= P.MAX_FRAMES:
-                    frames.append(frame)
-            batch.append((identity, frames, count, time.monotonic()))
+                    frames.append(frame.bytes)
+            batch.append((identity, frames, count, time.monotonic(), pid))
         return batch, len(batch) == BATCH
 
     def _sleep(self, poller: select.poll) -> None:
@@ -280,7 +288,7 @@ class IPCServer:
         except (BlockingIOError, OSError):  # full (a wake is pending anyway) or already closed
             pass
 
-    def _handle(self, identity: bytes, frames: list[bytes], count: int, now: float) -> None:
+    def _handle(self, identity: bytes, frames: list[bytes], count: int, now: float, pid: int | None = None) -> None:
         if peer_ids.reserved(identity):  # a peer-chosen id in the reserved space: dropped unread and unanswered
             self.counts["bad_messages"] += 1
             self.counts["reserved_ids"] += 1
@@ -289,12 +297,12 @@ class IPCServer:
                             self.counts["reserved_ids"])
             return
         try:
-            self._dispatch(identity, frames, count, now)
+            self._dispatch(identity, frames, count, now, pid)
         except Exception:
             log.exception("failed to handle a message")
             self._reply(identity, P.error(None, P.INTERNAL, "internal error"))
 
-    def _dispatch(self, identity: bytes, frames: list[bytes], count: int, now: float) -> None:
+    def _dispatch(self, identity: bytes, frames: list[bytes], count: int, now: float, pid: int | None = None) -> None:
         with self.lock:  # is_banned forgets expired bans: the routing table changes only under the lock
             if self.routes.is_banned(identity, now):
                 return
@@ -312,13 +320,13 @@ class IPCServer:
             self.counts["bad_messages"] += 1
             return self._reject(identity, exc.request_id, exc.code, exc.message)
         if isinstance(req, P.GenerateRequest):
-            self._generate(identity, req, now)
+            self._generate(identity, req, now, pid)
         elif isinstance(req, P.CancelRequest):
             self._cancel(identity, req)
         else:
             self._reply(identity, getattr(replies, req.op)(self, req.id))
 
-    def _generate(self, identity: bytes, req: P.GenerateRequest, now: float) -> None:
+    def _generate(self, identity: bytes, req: P.GenerateRequest, now: float, pid: int | None = None) -> None:
         if self.state != "ready":
             why = {"loading": "the engine is still loading; retry when health reports ready",
                    "draining": "the daemon is shutting down"}.get(self.state, f"the engine is {self.state}")
@@ -329,6 +337,11 @@ class IPCServer:
             return self._reject(identity, req.id, P.PROMPT_TOO_LONG, f"prompt has {size} bytes; a context window "
                                 f"of {view.max_model_len} tokens holds at most {limit} bytes of text for this model")
         with self.lock:
+            if pid is not None:
+                if self.access.is_gone(pid):  # sent before its process closed its last connection: nobody reads
+                    self.counts["from_closed_processes"] += 1
+                    return
+                self._pids[identity] = pid
             problem = self._admission_problem(identity, req)
             route = self._route(req, problem)
             if problem and (route is None or problem[0] != P.BUSY):
@@ -368,6 +381,19 @@ class IPCServer:
     def submit(self, identity: bytes, req: P.GenerateRequest) -> None:
         """Serve a request from an in-process door: replies go to local_sink(identity, payload)."""
         self._generate(identity, req, time.monotonic())
+
+    def _process_gone(self, pid: int) -> None:
+        """The access thread: client process pid closed its last connection to the daemon. Its requests are
+        dropped now, their KV blocks freed: a client that left without cancelling kept them in flight until each
+        final reply failed to send (an adversarial probe filled the in-flight limit with such requests for an
+        hour)."""
+        with self.lock:
+            for identity in [i for i, p in self._pids.items() if p == pid]:
+                del self._pids[identity]
+                if identity in self.routes.peers:
+                    self._drop_peer(identity, "closed its connection (its process closed its last one)")
+            if len(self._pids) > 4 * OWED_MAX_PEERS:  # routing ids whose requests all ended: forgotten now and then
+                self._pids = {i: p for i, p in self._pids.items() if i in self.routes.peers}
 
     def disconnect(self, identity: bytes) -> None:
         """An in-process door's client went away: abort its requests (freeing their KV blocks)."""
