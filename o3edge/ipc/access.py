@@ -182,8 +182,16 @@ class AccessControl:
                 events = dict(poller.poll())
                 if self._stop_r in events:
                     break
-                if self._monitor in events:
-                    self._on_event(parse_monitor_message(self._monitor.recv_multipart()))
+                if self._monitor in events or self._zap in events:
+                    # every event first: a connection's accept is emitted before its handshake asks us, so once it is
+                    # answered, its process counts as open (is_gone: a process that closed one connection and opened
+                    # the next must not find its first request taken for a closed process's)
+                    while True:
+                        try:
+                            frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_event(parse_monitor_message(frames))
                 if self._zap in events:
                     self._answer(self._zap.recv_multipart())
         except zmq.ZMQError as exc:  # the context is being torn down

@@ -40,3 +40,23 @@ def test_the_requests_of_a_process_that_closed_its_connections_are_dropped(daemo
 def test_a_process_id_comes_from_an_ipc_peer_address():
     assert access.address_pid("localhost:1000:1000:4321") == 4321
     assert access.address_pid("127.0.0.1") is None and access.address_pid("localhost:1:2") is None
+
+
+RECONNECTER = textwrap.dedent("""
+    import sys
+    from o3edge.ipc.client import O3Client
+    for i in range(40):  # a connection per request, each closed before the next opens
+        with O3Client(sys.argv[1], timeout=20) as c:
+            assert c.generate(f"request {i}", max_tokens=2, stream=False).completion_tokens == 2
+    print("ok")
+""")
+
+
+def test_a_process_that_reconnects_for_every_request_is_always_served(daemon, client):
+    """One process closing its only connection and opening the next at once: its process is gone for an instant
+    between the two, and the next connection's first request must not be taken for a closed process's."""
+    base = client.stats()["from_closed_processes"]
+    r = subprocess.run([sys.executable, "-c", RECONNECTER, daemon.endpoint], cwd=REPO, env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    assert client.stats()["from_closed_processes"] == base
