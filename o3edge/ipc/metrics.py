@@ -78,7 +78,15 @@ class ServiceCollector(Collector):
     def _server(self, p: str, f: dict) -> Iterator[Metric]:
         for key, name, text in (("requests_total", "requests_admitted", "Generate requests admitted"),
                                 ("rejected", "requests_rejected", "Messages refused before admission"),
-                                ("preemptions", "preemptions", "Sequences preempted to free KV blocks")):
+                                ("preemptions", "preemptions", "Sequences preempted to free KV blocks"),
+                                ("bad_messages", "bad_messages", "Undecodable or invalid messages, those dropped unread "
+                                 "included"),
+                                ("dropped_peers", "clients_dropped", "Client connections dropped: vanished, not "
+                                 "reading, broke the framing, or their process closed"),
+                                ("reserved_ids", "reserved_id_messages", "Messages dropped unread from a routing id a "
+                                 "client chose in the space reserved for generated ones"),
+                                ("from_closed_processes", "closed_process_requests", "Generate requests dropped unread: "
+                                 "their client process had closed its connections")):
             if key in f:
                 yield CounterMetricFamily(f"{p}_{name}", text, value=f[key])
         if "requests_in_flight" in f:

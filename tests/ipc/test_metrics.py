@@ -22,3 +22,12 @@ def test_cold_tier_metrics_appear_only_while_the_tier_is_on():
                  "o3edge_kv_cold_checksum_failures_total 1.0", "o3edge_kv_cold_evicted_blocks_total 2.0",
                  "o3edge_kv_cold_restore_gb_per_second 2.9", "o3edge_kv_cold_offload_gb_per_second 3.5"):
         assert line in on, line
+
+
+def test_the_daemons_defences_are_counted():
+    """Bad messages, dropped clients, messages from reserved routing ids and requests of closed processes: counters an
+    operator can alert on (a client probing the daemon shows there first)."""
+    text = exposition({"bad_messages": 7, "dropped_peers": 3, "reserved_ids": 2, "from_closed_processes": 5})
+    for line in ("o3edge_bad_messages_total 7.0", "o3edge_clients_dropped_total 3.0",
+                 "o3edge_reserved_id_messages_total 2.0", "o3edge_closed_process_requests_total 5.0"):
+        assert line in text, line
