@@ -142,8 +142,16 @@ def pinned_blocks(ctx: int, block_size: int, cfg: RouterConfig) -> np.ndarray:
 def pinned_rows(ctxs: np.ndarray, width: int, block_size: int, cfg: RouterConfig) -> np.ndarray:
     """pinned_blocks for sequences of contexts ctxs [R] at once: bool [R, width] (a row's blocks past its
     sealed ones are not pinned)."""
-    lo = np.arange(width) * block_size
-    return (lo < cfg.sink_tokens)[None, :] | (lo[None, :] + block_size > ctxs[:, None] - cfg.recent_tokens)
+    first, ends = unpinned_bounds(ctxs, block_size, cfg)
+    i = np.arange(width)
+    return (i < first)[None, :] | (i[None, :] >= ends[:, None])
+
+
+def unpinned_bounds(ctxs: np.ndarray, block_size: int, cfg: RouterConfig) -> tuple[int, np.ndarray]:
+    """(first, ends [R]): the table indices of the blocks that hold neither an attention sink nor a token of the recent
+    window, first <= i < ends[r], for sequences of contexts ctxs [R] (a block i holds a sink when i * block_size <
+    sink_tokens, and reaches the window when (i + 1) * block_size > ctx - recent_tokens)."""
+    return -(-cfg.sink_tokens // block_size), (ctxs - cfg.recent_tokens) // block_size
 
 
 def covering_blocks(mass: np.ndarray, total: float, ctx: int, block_size: int, cfg: RouterConfig,
@@ -640,13 +648,15 @@ class KVRouter:
         still full precision."""
         rows, split = observed
         bs, cfg = self.block_size, self.cfg
-        # neither pinned (pinned_rows: an attention sink's block, or one reaching the recent window) nor unsealed,
-        # nor holding a salient token; rows of sequences no longer followed take nothing
-        ends = np.full(len(rows), -1, dtype=np.int64)
+        # neither pinned (unpinned_bounds, as pinned_rows) nor unsealed, nor holding a salient token; rows of
+        # sequences no longer followed take nothing
+        ctxs = np.full(len(rows), -(1 << 40), dtype=np.int64)  # (a row not routed: no block passes)
         for r, _, ctx in live:
-            ends[r] = min(ctx - cfg.recent_tokens, ctx - ctx % bs) // bs
+            ctxs[r] = ctx
+        first, ends = unpinned_bounds(ctxs, bs, cfg)
+        ends = np.minimum(ends, ctxs // bs)  # sealed only
         row, index = split.full_row, split.full_index
-        ok = (index >= -(-cfg.sink_tokens // bs)) & (index < ends[row])
+        ok = (index >= first) & (index < ends[row])
         ok &= ~held[row, np.minimum(index, held.shape[1] - 1)]
         picked = np.flatnonzero(ok)
         pairs = list(zip(index[picked].tolist(), split.full_ids[picked].tolist()))
@@ -828,7 +838,7 @@ class KVRouter:
         n, lens = len(rows), np.array([len(t) for _, t, _ in rows], dtype=np.int64)
         entries = np.concatenate([t for _, t, _ in rows]) if n else np.zeros(0, dtype=np.int32)
         row = np.repeat(np.arange(n), lens)
-        index = np.arange(len(entries)) - np.repeat(np.cumsum(lens) - lens, lens)  # each entry's table index
+        index = _ranks(row, lens)  # each entry's table index
         full = entries < self.num_full_blocks
         comp = ~full
         full_row, comp_row = row[full], row[comp]

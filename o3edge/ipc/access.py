@@ -13,8 +13,9 @@ Connections are counted from the socket's monitor (accepted: +1 for the uid SO_P
 for the fd; disconnected: -1), read on the same thread that answers ZAP requests, so no lock is
 needed. They are counted by client process too: when a process's last connection closes, the server
 is told (on_process_gone) and drops that process's requests, which a client that left without
-cancelling would otherwise keep in flight until their final reply failed to send. The handshake events carry no fd, so a connection counts from accept, junk included: a
-uid flooding junk may briefly find its own new connections refused, never other uids'.
+cancelling would otherwise keep in flight until their final reply failed to send. The handshake
+events carry no fd, so a connection counts from accept, junk included: a uid flooding junk may
+briefly find its own new connections refused, never other uids'.
 """
 
 from __future__ import annotations
@@ -83,12 +84,6 @@ def peer_creds(fd: int) -> tuple[int, int] | None:
         return None
     finally:
         s.detach()  # the fd belongs to libzmq
-
-
-def peer_uid(fd: int) -> int | None:
-    """The uid at the other end of a unix socket, or None (not a unix socket, or already closed)."""
-    creds = peer_creds(fd)
-    return None if creds is None else creds[1]
 
 
 def address_pid(address: str) -> int | None:

@@ -40,10 +40,10 @@ from o3edge.ipc import protocol as P
 from o3edge.ipc.access import AccessControl, address_pid, parse_gids, parse_uids
 from o3edge.ipc.endpoint import EndpointLock, ipc_path, prepare_socket_dir, remove_socket, secure_socket
 from o3edge.ipc.engine_loop import END, EngineLoop, Hooks, Job
-from o3edge.ipc.intake import Lane
+from o3edge.ipc.intake import PRIORITY_RANK, Lane
 from o3edge.ipc.routes import Routes
 from o3edge.memory import Trimmer
-from o3edge.policy import CLASSES, RequestLimits
+from o3edge.policy import RequestLimits
 from o3edge.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ POLL_MS = 100
 BATCH = 64  # messages read per turn of the I/O thread
 OWED_TTL_S = 600.0  # how long final replies to a client that stopped reading are kept for it
 OWED_MAX_PEERS = 1024
+PIDS_KEPT = 4096  # routing ids whose client process is remembered before those with nothing in flight are forgotten
 SHORT_PROMPT_BYTES = 4096  # prompts up to this size take the short lane: never behind a long encode
 # Routing ids of requests from in-process doors (the HTTP door): a ZeroMQ peer may choose one, but its messages are
 # dropped unread (peer_ids.reserved: a zero byte first and not 5 bytes long, where libzmq's generated ids are 5).
@@ -392,7 +393,7 @@ class IPCServer:
                 del self._pids[identity]
                 if identity in self.routes.peers:
                     self._drop_peer(identity, "closed its connection (its process closed its last one)")
-            if len(self._pids) > 4 * OWED_MAX_PEERS:  # routing ids whose requests all ended: forgotten now and then
+            if len(self._pids) > PIDS_KEPT:  # routing ids whose requests all ended: forgotten now and then
                 self._pids = {i: p for i, p in self._pids.items() if i in self.routes.peers}
 
     def disconnect(self, identity: bytes) -> None:
@@ -488,8 +489,8 @@ class IPCServer:
 
     def _displaceable(self, priority: str) -> int:
         """Requests waiting in the engine's queue, by its last snapshot, in classes less important than `priority`."""
-        classes, rank = self.loop.snapshot.get("classes") or {}, CLASSES.index(priority)
-        return sum(c.get("waiting", 0) for name, c in classes.items() if name in CLASSES and CLASSES.index(name) > rank)
+        classes, rank = self.loop.snapshot.get("classes") or {}, PRIORITY_RANK[priority]
+        return sum(c.get("waiting", 0) for name, c in classes.items() if PRIORITY_RANK.get(name, -1) > rank)
 
     def _cancel(self, identity: bytes, req: P.CancelRequest) -> None:
         with self.lock:
