@@ -582,7 +582,8 @@ class KVRouter:
         else:
             holds, done, observed = self._held(routed).cpu(), None, None
         if decoding:  # a graph refresh step: every routed sequence decodes, its holds read at the next step's end
-            # (which rows were prompts, as a tensor indexing the holds, took ~60 us of a refresh step on the CPU machine)
+            # (which rows were prompts, as a tensor indexing the holds: end_step 16-17 -> 3 us on the CPU machine,
+            # tools/bench_router_plan.py)
             self.deferred = (routed, holds, done, observed)
             return
         prompt = [seq.num_output_tokens == 0 for seq, _, _ in routed]
@@ -641,8 +642,8 @@ class KVRouter:
     def _plan_observed(self, live, held: np.ndarray, observed, books: dict) -> None:
         """_plan's token routing from the observing step's rows (observed: (rows, their split_rows)): the candidates
         are each sequence's full-precision entries as that step read them, so no block table is turned into an
-        array (16 of ~120 blocks, and the masks over all of them, took ~220 us of the step after a refresh on the
-        CPU machine, in place: tools/bench_host_step.py). The same plans as _plan's, in the same order: a block
+        array (16 of ~120 blocks, and the masks over all of them: the plan 69-71 -> 38-41 us on the CPU machine,
+        tools/bench_router_plan.py). The same plans as _plan's, in the same order: a block
         sealed since that step is in the recent window, and the plans of a sequence whose entries were replaced
         since (a demotion due from an earlier refresh, with router_refresh_steps of 1 or 2) are kept to its entries
         still full precision."""
