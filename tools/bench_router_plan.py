@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Host time of the token router's refresh bookkeeping, each part timed alone at a refresh of the built-in long
 model (16 sequences of 3,840 tokens, 32-token blocks, ~176 demotions): the refresh step's observation rows
-(KVRouter.observation_meta) and its end (KVRouter.end_step, where a graph step's routing is deferred), the step
+(KVRouter.entry_rows; observation_meta in trees that split them on the host) and its end (KVRouter.end_step, where a graph step's routing is deferred), the step
 after it's planning (KVRouter._plan: from the block tables, and from the observing step's rows as a graph refresh
-plans), the three together as a graph refresh takes them (the rows as fill_meta makes them, their observation's
-rows, the plan), and the demoting step's hand-over
+plans; its candidates masked on the device where the tree does that, KVRouter.plan_mask, untimed), the three
+together as a graph refresh takes them (the rows as fill_meta makes them, their observation's rows, the plan), and
+the demoting step's hand-over
 of the plans (KVRouter.make_due) and its moves as an array (KVRouter._moves_array, what a flush by the kernel
 or its graph reads). The block books and the flush are tools/bench_demotions.py's; the whole steps
 tools/bench_host_step.py's.
@@ -76,13 +77,14 @@ def main() -> None:
     # an observing step's rows as each tree's fill_meta makes them: the entries read (split_rows, all rows at once);
     # or each row's full-precision table indices, compressed ones (and their block ids and the table's edits)
     batched, observing = hasattr(KVRouter, "split_rows"), hasattr(KVRouter, "_plan_observed")
+    on_device = hasattr(KVRouter, "entry_rows")  # the rows' split and the plan's mask made on the device
     tables = []
     for seq in seqs:
         seq.table_edits = 0
         tables.append(np.asarray(seq.block_table, dtype=np.int32))
 
     def made_rows() -> list:
-        if batched:
+        if batched or on_device:
             return [(seq, t, 0) for seq, t in zip(seqs, tables)]
         rows = []
         for seq, t in zip(seqs, tables):
@@ -92,14 +94,24 @@ def main() -> None:
                         else (seq, index, np.flatnonzero(~full)))
         return rows
 
+    entries = np.zeros((B, 128 + 3), dtype=np.int64)
+
     def observed(rows):  # what a graph refresh's plan takes
+        if on_device:
+            r.entry_rows(rows, entries)
+            return rows, entries
         return (rows, r.split_rows(rows)) if batched else rows
 
     rows = made_rows()
+    # on the device (not timed: a graph replay on CUDA): the demotions among the entries, what the plan reads back
+    mask = r.plan_mask(torch.from_numpy(observed(rows)[1]), held).numpy() if on_device else held
 
     def refresh_rows():  # the observing step's rows made, its observation's rows, its routing's plan
         rows = made_rows()
-        if batched:
+        if on_device:
+            r.entry_rows(rows, entries)
+            r._plan(routed, torch.from_numpy(mask), None, {}, (rows, entries))
+        elif batched:
             split = r.split_rows(rows)
             r.observation_meta(rows, 128, split)
             r._plan(routed, held, None, {}, (rows, split))
@@ -125,7 +137,8 @@ def main() -> None:
 
     batch = [(seq, 1) for seq in seqs]
 
-    prepared = ([(seq.seq_id, CTX) for seq in seqs], held, None) + ((observed(rows),) if observing else ())
+    prepared = ([(seq.seq_id, CTX) for seq in seqs], torch.from_numpy(mask) if on_device else held, None) + (
+        (observed(rows),) if observing else ())
 
     def refresh_setup():  # a graph refresh step's routing, prepared on the device (its set-up, taken off its time)
         r.step_no, r.prepared, r.deferred = 31, prepared, None
@@ -137,16 +150,21 @@ def main() -> None:
     def us(fn) -> float:
         return min(timeit.repeat(fn, number=a.number, repeat=a.repeat)) / a.number * 1e6
 
-    meta_part = "observation_meta (16 rows" + (", the rows split in it)" if batched else ")")
-    parts = {meta_part: (lambda: r.observation_meta(rows, 128), None),
-             f"_plan (16 sequences, {sum(map(len, plans.values()))} demotions)":
+    parts = {}
+    if on_device:
+        parts["entry_rows (16 rows)"] = (lambda: r.entry_rows(rows, entries), None)
+    else:
+        meta_part = "observation_meta (16 rows" + (", the rows split in it)" if batched else ")")
+        parts[meta_part] = (lambda: r.observation_meta(rows, 128), None)
+    parts |= {f"_plan (16 sequences, {sum(map(len, plans.values()))} demotions)":
                  (lambda: r._plan(routed, held, None, {}), None),
              f"make_due ({DEMOTIONS} demotions)": (make_due, copy_pending),
              "end_step of a graph refresh step (16 sequences)": (refresh_end, refresh_setup)}
     if observing:
         split = observed(rows)  # (with split_rows: made once, as observation_meta and the plan share it)
+        holds = torch.from_numpy(mask) if on_device else held  # (the device's demotions, or the saliency's blocks)
         parts[f"_plan from the observing rows (16 sequences, {sum(map(len, plans.values()))} demotions)"] = (
-            lambda: r._plan(routed, held, None, {}, split), None)
+            lambda: r._plan(routed, holds, None, {}, split), None)
     parts["a refresh's rows made, observed and planned from (16 sequences)"] = (refresh_rows, None)
     if hasattr(KVRouter, "_moves_array"):
         parts[f"_moves_array ({DEMOTIONS} moves)"] = (moves_array, copy_moves)

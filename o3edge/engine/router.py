@@ -271,28 +271,6 @@ class _SeqStep:
     row: int  # its row of the saliency books
 
 
-@dataclass
-class RowSplit:
-    """An observing graph step's rows (router_graph.py: (seq, its block-table entries the step read, its
-    table_edits then)) split into the two pools at once (KVRouter.split_rows): every full-precision entry, row
-    after row and in table order, with its row, table index and block id; every compressed one with its row and
-    table index; and each row's count of each. What the step's observation (observation_meta) and its routing's
-    plan (_plan_observed) read."""
-
-    full_row: np.ndarray
-    full_index: np.ndarray
-    full_ids: np.ndarray
-    full_counts: np.ndarray
-    comp_row: np.ndarray
-    comp_index: np.ndarray
-    comp_counts: np.ndarray
-
-
-def _ranks(rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Each element's place within its row, for elements grouped by row (rows ascending, counts by row)."""
-    return np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
 class RouterStep:
     """What attention needs in one router-on step; built by KVRouter.begin_step, used by every layer."""
 
@@ -601,7 +579,7 @@ class KVRouter:
         """Plan the demotions of routed [(seq, context, book row)] from holds (_held's rows, on the host
         once `done` is), into books (seq_id -> [(table index, block id)]); sequences that ended or were
         preempted since are passed over. observed: the observing graph step's rows, one a routed sequence
-        (router_graph.py), with their split_rows: their full-precision entries are the candidates
+        (router_graph.py), with their entry_rows; holds is then plan_mask's rows, the demotions themselves
         (_plan_observed)."""
         if done is not None:
             done.synchronize()
@@ -639,29 +617,19 @@ class KVRouter:
             if ends[i] > (start := ends[i - 1] if i else 0):
                 books[seq.seq_id] = pairs[start:ends[i]]
 
-    def _plan_observed(self, live, held: np.ndarray, observed, books: dict) -> None:
-        """_plan's token routing from the observing step's rows (observed: (rows, their split_rows)): the candidates
-        are each sequence's full-precision entries as that step read them, so no block table is turned into an
-        array (16 of ~120 blocks, and the masks over all of them: the plan 69-71 -> 38-41 us on the CPU machine,
-        tools/bench_router_plan.py). The same plans as _plan's, in the same order: a block
-        sealed since that step is in the recent window, and the plans of a sequence whose entries were replaced
-        since (a demotion due from an earlier refresh, with router_refresh_steps of 1 or 2) are kept to its entries
-        still full precision."""
-        rows, split = observed
-        bs, cfg = self.block_size, self.cfg
-        # neither pinned (unpinned_bounds, as pinned_rows) nor unsealed, nor holding a salient token; rows of
-        # sequences no longer followed take nothing
-        ctxs = np.full(len(rows), -(1 << 40), dtype=np.int64)  # (a row not routed: no block passes)
-        for r, _, ctx in live:
-            ctxs[r] = ctx
-        first, ends = unpinned_bounds(ctxs, bs, cfg)
-        ends = np.minimum(ends, ctxs // bs)  # sealed only
-        row, index = split.full_row, split.full_index
-        ok = (index >= first) & (index < ends[row])
-        ok &= ~held[row, np.minimum(index, held.shape[1] - 1)]
-        picked = np.flatnonzero(ok)
-        pairs = list(zip(index[picked].tolist(), split.full_ids[picked].tolist()))
-        stops = np.cumsum(np.bincount(row[picked], minlength=len(rows))).tolist()
+    def _plan_observed(self, live, mask: np.ndarray, observed, books: dict) -> None:
+        """_plan's token routing from the observing step's rows (observed: (rows, their entry_rows)), whose
+        demotions the device has found already (mask: plan_mask's rows, made in the refresh's graph): each row's
+        True entries, in table order, with the block ids the step read. The same plans in the same order as _plan's
+        from the tables (the full-precision blocks that are sealed, pinned neither as sinks nor in the recent
+        window, and hold no salient token); the plans of a sequence whose entries were replaced since (a demotion
+        due from an earlier refresh, with router_refresh_steps of 1 or 2) are kept to its entries still full
+        precision. (Split into the pools and masked on the host before, a refresh's rows, their observation and
+        the plan took 75-76 us on the CPU machine; 36-37 now, tools/bench_router_plan.py.)"""
+        rows, entries = observed
+        at, index = np.nonzero(mask)  # row-major: each row's demotions in table order
+        pairs = list(zip(index.tolist(), entries[at, index].tolist()))
+        stops = np.cumsum(np.bincount(at, minlength=len(rows))).tolist()
         for r, seq, _ in live:
             start, stop = stops[r - 1] if r else 0, stops[r]
             if stop > start:
@@ -829,41 +797,58 @@ class KVRouter:
         mass [len(rows), KVH, 2, P] the step's probabilities by KV head (kernels/quant_attention.py
         router_decode_attention: full-precision keys in compacted order, then compressed ones), summed
         over the layers. The same books as `_observe` keeps for the eager step, in one scatter."""
-        meta = self.observation_meta(rows, mass.shape[-1] // self.block_size)
-        self.observe_books(on_device(torch.from_numpy(meta), self.device), mass)  # one copy
+        entries = np.zeros((len(rows), mass.shape[-1] // self.block_size + 3), dtype=np.int64)
+        self.entry_rows(rows, entries)
+        meta = self.observation_of(on_device(torch.from_numpy(entries), self.device))  # one copy
+        self.observe_books(meta, mass)
 
-    def split_rows(self, rows) -> RowSplit:
-        """rows (an observing graph step's: (seq, its table entries as int32, its table_edits)) split into the
-        pools, all rows at once: ~15 array operations whatever the batch, where splitting each row took three
-        (a full-precision mask and two index lists: tools/bench_router_plan.py)."""
-        n, lens = len(rows), np.array([len(t) for _, t, _ in rows], dtype=np.int64)
-        entries = np.concatenate([t for _, t, _ in rows]) if n else np.zeros(0, dtype=np.int32)
-        row = np.repeat(np.arange(n), lens)
-        index = _ranks(row, lens)  # each entry's table index
-        full = entries < self.num_full_blocks
-        comp = ~full
-        full_row, comp_row = row[full], row[comp]
-        return RowSplit(full_row, index[full], entries[full], np.bincount(full_row, minlength=n), comp_row,
-                        index[comp], np.bincount(comp_row, minlength=n))
+    def entry_rows(self, rows, out: np.ndarray) -> None:
+        """The host part of an observation: rows (an observing graph step's: (seq, its table entries as int32,
+        its table_edits)) into out, int64 [len(rows), W + 3]: each row's entries from column 0 (past them, what
+        was there), their number, the sequence's book row and the observer's position + 1 (its context). The
+        device splits them into the pools (observation_of) and finds the demotions among them (plan_mask)."""
+        width, book_row = out.shape[1] - 3, self.books.row
+        for r, (_, t, _) in enumerate(rows):
+            out[r, :len(t)] = t
+        out[:len(rows), width:] = [(len(t), book_row(seq.seq_id), seq.num_computed_tokens + 1) for seq, t, _ in rows]
 
-    def observation_meta(self, rows, width: int, split: RowSplit | None = None) -> np.ndarray:
-        """The host part of observed_in_graph: int64 [len(rows), 2 * width + 4], each row's table indices of
-        its full-precision blocks (from column 0) and of its compressed ones (from column width), its
-        number of keys in each pool, its book row and the observer's position + 1 (its context). A row of
-        zeros observes nothing and routes nothing. split: split_rows(rows), when already made."""
-        split = split if split is not None else self.split_rows(rows)
-        bs, book_row = self.block_size, self.books.row
-        meta = np.zeros((len(rows), 2 * width + 4), dtype=np.int64)
-        meta[split.full_row, _ranks(split.full_row, split.full_counts)] = split.full_index
-        meta[split.comp_row, width + _ranks(split.comp_row, split.comp_counts)] = split.comp_index
-        ends = np.array([seq.num_computed_tokens + 1 for seq, _, _ in rows], dtype=np.int64)
-        comp_keys = split.comp_counts * bs
-        meta[:, 2 * width], meta[:, 2 * width + 1], meta[:, 2 * width + 3] = ends - comp_keys, comp_keys, ends
-        meta[:, 2 * width + 2] = [book_row(seq.seq_id) for seq, _, _ in rows]
-        return meta
+    def observation_of(self, entries: torch.Tensor) -> torch.Tensor:
+        """entry_rows' rows on the device as observe_books and held_observed read them: int64 [n, 2 W + 4], each
+        row's table indices of its full-precision blocks (from column 0, in table order) and of its compressed
+        ones (from column W), its number of keys in each pool (the full-precision ones up to the observer's, its
+        own included), its book row and its context. A row of zeros observes nothing and routes nothing. Static
+        shapes, no sync: a CUDA graph can hold it (router_graph.py's route graphs)."""
+        n, W, bs, dev = entries.shape[0], entries.shape[1] - 3, self.block_size, entries.device
+        t, count, book_rows, ends = entries[:, :W], entries[:, W], entries[:, W + 1], entries[:, W + 2]
+        col = torch.arange(W, device=dev)
+        valid = col < count[:, None]
+        comp = valid & (t >= self.num_full_blocks)
+        pools = torch.stack([valid ^ comp, comp], 1)  # [n, 2, W]: full-precision entries, compressed ones
+        ranks = pools.cumsum(2)  # each entry's place in its pool, from 1; the last: the pool's count
+        dump = 2 * W + 4  # the column where the other pool's entries (and none) go
+        first = torch.arange(2, device=dev)[:, None] * W - 1  # each pool's first column, less one
+        where = torch.where(pools, ranks + first, dump).view(n, 2 * W)
+        meta = torch.zeros(n, 2 * W + 5, dtype=torch.long, device=dev)
+        meta.scatter_(1, where, col.repeat(n, 2))
+        comp_keys = ranks[:, 1, -1] * bs
+        meta[:, 2 * W:dump] = torch.stack([ends - comp_keys, comp_keys, book_rows, ends], 1)
+        return meta[:, :dump]
+
+    def plan_mask(self, entries: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """The demotions a refresh plans, on the device: bool [n, W] over entry_rows' rows, True at each
+        full-precision entry that is sealed, neither pinned as a sink nor in the recent window (unpinned_bounds,
+        for the row's context), and holds no salient token (held: held_observed's rows). _plan_observed reads
+        it back. Static shapes, no sync."""
+        W, bs = entries.shape[1] - 3, self.block_size
+        t, count, ends = entries[:, :W], entries[:, W], entries[:, W + 2]
+        col = torch.arange(W, device=entries.device)
+        first, stop = unpinned_bounds(ends, bs, self.cfg)  # (torch's // of integers floors, as numpy's)
+        stop = torch.minimum(stop, ends // bs)  # sealed only
+        ok = (col < count[:, None]) & (t < self.num_full_blocks) & (col >= first) & (col < stop[:, None])
+        return ok & ~held[:, col.clamp(max=held.shape[1] - 1)]
 
     def observe_books(self, meta: torch.Tensor, mass: torch.Tensor) -> None:
-        """The device part of observed_in_graph, meta (observation_meta's) on the device: the keys' places
+        """The device part of observed_in_graph, meta (observation_of's) on the device: the keys' places
         are made there, then one scatter a table, no sync (a CUDA graph can hold it: router_graph.py)."""
         bs, L, P, dev, n = self.block_size, self.books.max_len, mass.shape[-1], self.device, meta.shape[0]
         W = P // bs  # blocks a row of the step may have
@@ -878,7 +863,7 @@ class KVRouter:
         self.books.count.index_add_(0, book_rows, seen.double())
 
     def held_observed(self, meta: torch.Tensor) -> torch.Tensor:
-        """_held for the rows of an observation's meta on the device (observation_meta: book row, context),
+        """_held for the rows of an observation's meta on the device (observation_of: book row, context),
         over every position a sequence may reach: bool [rows, max_len // block_size], False past a row's
         sealed blocks, all False for a row of zeros. Static shapes, no sync: a CUDA graph can hold it."""
         sal = self.books.saliency_of(meta[:, -2], meta[:, -1], self.books.max_len)

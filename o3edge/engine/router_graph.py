@@ -10,9 +10,10 @@ Steps that observe attention for saliency (every `refresh_steps`-th router step,
 sequence; none with threshold 0) replay a second graph per bucket: the same step whose attention
 kernels also store each key's scaled scores, and a small kernel turns them into probabilities
 (averaged over the heads) once every key split's log-sum-exp is known, adding them into a static mass
-buffer layer after layer; once the step is taken, a third graph per bucket (and host buffer) adds those
-rows to each sequence's books and reads the saliency it will route by, the blocks holding a salient token
-coming back to pinned memory (_observe_and_route: KVRouter.observe_books and held_observed; a step that
+buffer layer after layer; once the step is taken, a third graph per bucket (and host buffer) takes the
+table entries the step read, splits them into the pools, adds those rows to each sequence's books, reads the
+saliency it will route by and finds the blocks to demote, which come back to pinned memory
+(_observe_and_route: KVRouter.observation_of, observe_books, held_observed, plan_mask; a step that
 lost sequences since it was queued, and router_select = "blocks", do the same by KVRouter.observed_in_graph
 and prepare_routing, one operation at a time).
 (O3EDGE_ROUTER_OBSERVE_SPLITS=0 observes in one key split instead, each program making its rows'
@@ -69,7 +70,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         self.sampling = False  # sampled rows: sampled after the graph (graph sampling is the plain path's)
         self.observe_graphs: dict = {}
         self.rows: list | None = None  # an observing step's rows (seq, its table entries as read, its table_edits):
-        # what it observes, and what its routing plans from (KVRouter.split_rows, observation_meta, _plan)
+        # what it observes, and what its routing plans from (KVRouter.entry_rows, _plan)
         self.observed: dict[int, list] = {}  # ahead (0: launched now, 1: queued) -> rows of an observing step
         self.mass = None
         self.taken = None  # an observing step taken: (its rows, their probabilities), for _taken
@@ -85,12 +86,12 @@ class RouterDecodeGraphs(DecodeGraphs):
         self.num_routes = 0
         if self.routes:
             B, dev, pinned = self.batch_buckets[-1], runner.device, runner.device.type == "cuda"
-            L, width = runner.router.books.max_len, 2 * self.max_blocks + 4
+            width = self.max_blocks + 3  # KVRouter.entry_rows
             self.mass_taken = torch.zeros_like(self.mass)  # a taken observing step's probabilities
             self.obs_host = [torch.zeros(B, width, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
             self.obs = torch.zeros(B, width, dtype=torch.long, device=dev)
-            self.holds_host = [torch.zeros(B, L // self.block_size, dtype=torch.bool, pin_memory=pinned)
-                               for _ in range(2)]
+            self.holds_host = [torch.zeros(B, self.max_blocks, dtype=torch.bool, pin_memory=pinned)
+                               for _ in range(2)]  # the refresh's demotions (KVRouter.plan_mask)
 
     def attention_per_sm(self) -> tuple[int, bool]:
         return router_attention_per_sm(self.runner.router.cfg.mode), True
@@ -139,14 +140,15 @@ class RouterDecodeGraphs(DecodeGraphs):
         self.route_generation = self.runner.router.books.generation
 
     def _route(self, key: tuple[int, int]) -> tuple:
-        """A refresh's device work for bucket B from host buffer `parity`: the observation's metadata in,
-        the books added to (KVRouter.observe_books), the saliency read and routed (held_observed), the
-        sealed blocks holding a salient token out to holds_host[parity]."""
+        """A refresh's device work for bucket B from host buffer `parity`: the observing step's entries in
+        (KVRouter.entry_rows), split into the pools (observation_of), the books added to (observe_books), the
+        saliency read and routed (held_observed), the demotions found (plan_mask) and out to holds_host[parity]."""
         B, parity = key
         router = self.runner.router
-        self.obs[:B].copy_(self.obs_host[parity][:B], non_blocking=True)
-        router.observe_books(self.obs[:B], self.mass_taken[:B])
-        self.holds_host[parity][:B].copy_(router.held_observed(self.obs[:B]), non_blocking=True)
+        entries = self.obs[:B].copy_(self.obs_host[parity][:B], non_blocking=True)
+        meta = router.observation_of(entries)
+        router.observe_books(meta, self.mass_taken[:B])
+        self.holds_host[parity][:B].copy_(router.plan_mask(entries, router.held_observed(meta)), non_blocking=True)
         return ()
 
     def _observe_and_route(self, observed, batch) -> None:
@@ -160,9 +162,9 @@ class RouterDecodeGraphs(DecodeGraphs):
             self._capture_routes()  # the books' tables grew: the graphs read the old ones
         parity = self.num_routes % 2  # the holds of the refresh before may still be unread (refresh every step)
         self.num_routes += 1
-        meta, split = self.obs_host[parity].numpy(), router.split_rows(observed)
-        meta[:n] = router.observation_meta(observed, self.max_blocks, split)
-        meta[n:B] = 0
+        entries = self.obs_host[parity].numpy()
+        router.entry_rows(observed, entries[:n])
+        entries[n:B] = 0
         done = None
         if self.capture:
             self.route_graphs[(B, parity)][0].replay()
@@ -171,7 +173,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         else:
             self._route((B, parity))
         router.prepared = ([(seq.seq_id, seq.num_computed_tokens + 1) for seq, _ in batch],
-                           self.holds_host[parity][:n], done, (observed, split))
+                           self.holds_host[parity][:n], done, (observed, entries[:n]))
 
     def _attention(self, layer, qkv, cos, sin, meta, heads, splits, q_norm, k_norm, eps, mass=None):
         from o3edge.engine.kernels.quant_attention import router_decode_attention

@@ -139,12 +139,12 @@ def test_a_refresh_plans_every_sequence_as_it_would_plan_each_alone():
 
 
 def test_a_refresh_planned_from_its_observing_rows_plans_what_its_tables_give():
-    """A graph refresh plans from the rows its observing step read (each sequence's full-precision table
-    indices and block ids, router_graph.py) instead of the tables: the same plans in the same order, for
-    sinks and recent windows of any size; an entry demoted since that step (a refresh's demotions due
-    before, with a short router_refresh_steps) is not planned again."""
+    """A graph refresh plans from the rows its observing step read (each sequence's table entries, router_graph.py),
+    its demotions found on the device (plan_mask) instead of from the tables on the host: the same plans in the
+    same order, for sinks and recent windows of any size; an entry demoted since that step (a refresh's demotions
+    due before, with a short router_refresh_steps) is not planned again."""
     rng = np.random.default_rng(5)
-    nf, bs = 500, 8
+    nf, bs, width = 500, 8, 40
     for sink, recent in ((4, 20), (0, 0), (9, 3), (16, 64)):
         cfg = RouterConfig("int8", threshold=0.85, sink_tokens=sink, recent_tokens=recent)
         router = KVRouter.__new__(KVRouter)
@@ -155,29 +155,33 @@ def test_a_refresh_planned_from_its_observing_rows_plans_what_its_tables_give():
             n = -(-ctx // bs)
             table = [int(b) if rng.random() < 0.6 else nf + int(b) for b in rng.integers(0, nf, n + (i % 2))]
             seq = Sequence(seq_id=i, request_id=str(i), token_ids=[1] * ctx, params=GREEDY, block_table=table)
+            seq.num_computed_tokens = ctx - 1  # the observer's position
             if i != 4:  # sequence 4 has ended
                 router.books.row(i)
             routed.append((seq, ctx, i))
             observed.append((seq, np.asarray(table[:n], dtype=np.int32), seq.table_edits))  # the entries read
         routed[5][0].block_table = routed[5][0].block_table[:3]  # preempted and readmitted: a shorter table
         holds = torch.from_numpy(rng.random((len(routed), 512 // bs)) < 0.3)
-        tables, plans, split = {}, {}, router.split_rows(observed)
+        entries = np.full((len(observed), width + 3), 777, dtype=np.int64)  # past each row's entries: anything
+        router.entry_rows(observed, entries)
+        mask = router.plan_mask(torch.from_numpy(entries), holds)
+        tables, plans = {}, {}
         router._plan(routed, holds, None, tables)
-        router._plan(routed, holds, None, plans, (observed, split))
+        router._plan(routed, mask, None, plans, (observed, entries))
         assert plans == tables
         assert sum(map(len, plans.values())) > 10 or recent == 64
         seq = routed[2][0]  # one of its planned entries demoted since the observing step
         i, block_id = tables[seq.seq_id][1]
         seq.block_table[i], seq.table_edits = nf + 7, seq.table_edits + 1
         plans = {}
-        router._plan(routed, holds, None, plans, (observed, split))
+        router._plan(routed, mask, None, plans, (observed, entries))
         assert plans[seq.seq_id] == [p for p in tables[seq.seq_id] if p[0] != i]
 
 
-def test_an_observing_steps_rows_are_split_into_their_pools_row_by_row():
-    """observation_meta, from all rows split at once: each row's full-precision table indices from column 0, its
-    compressed ones from column width, its keys in each pool, its book row and its context; rows with nothing
-    compressed, nothing at full precision, or no entry at all among them."""
+def test_an_observing_steps_rows_are_split_into_their_pools_on_the_device():
+    """observation_of, from the rows' entries (entry_rows): each row's full-precision table indices from column 0,
+    its compressed ones from column width, its keys in each pool, its book row and its context; rows with nothing
+    compressed, nothing at full precision, or no entry at all among them, and padding rows of zeros."""
     rng = np.random.default_rng(6)
     nf, bs, width = 300, 8, 40
     router = KVRouter.__new__(KVRouter)
@@ -190,7 +194,11 @@ def test_an_observing_steps_rows_are_split_into_their_pools_row_by_row():
         seq = Sequence(seq_id=10 + i, request_id=str(i), token_ids=[1] * (n * bs), params=GREEDY, block_table=table)
         seq.num_computed_tokens = max(0, n * bs - 3)
         rows.append((seq, np.asarray(table, dtype=np.int32), 0))
-    meta = router.observation_meta(rows, width)
+    entries = np.full((len(rows) + 2, width + 3), nf - 1, dtype=np.int64)  # stale entries past each row's
+    entries[len(rows):] = 0
+    router.entry_rows(rows, entries)
+    meta = router.observation_of(torch.from_numpy(entries)).numpy()
+    assert meta.shape == (len(rows) + 2, 2 * width + 4) and not meta[len(rows):].any()
     for b, (seq, t, _) in enumerate(rows):
         full, comp = np.flatnonzero(t < nf), np.flatnonzero(t >= nf)
         expected = np.zeros(2 * width + 4, dtype=np.int64)
