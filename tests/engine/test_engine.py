@@ -145,6 +145,29 @@ def test_detokenizer_holds_back_partial_utf8_and_partial_stops(tiny_dir, stream,
     assert hit and shown == "naïve "
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_detokenizer_shows_a_long_text_whole_and_stops_late_in_it(tiny_dir, stream, monkeypatch):
+    """The detokenizer keeps only what it has not shown (and the characters a stop string may start in): over
+    thousands of tokens it shows exactly the decoded text, and finds a stop string near the end."""
+    if not stream:
+        monkeypatch.setattr("o3edge.engine.tokenizer.DecodeStream", None)
+    m = load(tiny_dir)
+    text = "".join(f"line {i}: naïve ✓ café = {i * 7}\n" for i in range(300)) + "THE END here"
+    ids = m.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > 2000
+    for stop, expected in ((("never there",), m.tokenizer.decode(ids)), (("END",), text[:text.index("END")])):
+        d, shown = Detokenizer(m.tokenizer, stop=stop), ""
+        for t in ids:
+            delta, hit = d.add(t)
+            shown += delta
+            if hit:
+                break
+        else:
+            shown += d.flush()
+        assert shown == expected and hit == (stop == ("END",))
+        assert len(d.text) < 40  # what it holds: not the whole text
+
+
 def test_chat_template_matches_transformers(tiny_dir):
     transformers = require("transformers")
     m = load(tiny_dir)
