@@ -1,14 +1,13 @@
 #!/usr/bin/env python3
 """Host time of the token router's refresh bookkeeping, each part timed alone at a refresh of the built-in long
 model (16 sequences of 3,840 tokens, 32-token blocks, ~176 demotions): the refresh step's observation rows
-(KVRouter.entry_rows; observation_meta in trees that split them on the host) and its end (KVRouter.end_step, where a graph step's routing is deferred), the step
-after it's planning (KVRouter._plan: from the block tables, and from the observing step's rows as a graph refresh
-plans; its candidates masked on the device where the tree does that, KVRouter.plan_mask, untimed), the three
-together as a graph refresh takes them (the rows as fill_meta makes them, their observation's rows, the plan), and
-the demoting step's hand-over
-of the plans (KVRouter.make_due) and its moves as an array (KVRouter._moves_array, what a flush by the kernel
-or its graph reads). The block books and the flush are tools/bench_demotions.py's; the whole steps
-tools/bench_host_step.py's.
+(KVRouter.entry_rows; observation_meta in trees that split them on the host) and its end (KVRouter.end_step,
+where a graph step's routing is deferred), the step after it's planning (KVRouter._plan: from the block tables,
+and from the observing step's rows as a graph refresh plans; its candidates masked on the device where the tree
+does that, KVRouter.plan_mask, untimed), the three together as a graph refresh takes them (the rows as fill_meta
+makes them, their observation's rows, the plan), and the demoting step's hand-over of the plans
+(KVRouter.make_due) and its moves as an array (KVRouter._moves_array, what a flush by the kernel or its graph
+reads). The block books and the flush are tools/bench_demotions.py's; the whole steps tools/bench_host_step.py's.
 
 --root PATH imports o3edge from another tree (a `git worktree` of an earlier commit) to measure against; a part
 that tree lacks is left out.

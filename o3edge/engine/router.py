@@ -810,7 +810,9 @@ class KVRouter:
         width, book_row = out.shape[1] - 3, self.books.row
         for r, (_, t, _) in enumerate(rows):
             out[r, :len(t)] = t
-        out[:len(rows), width:] = [(len(t), book_row(seq.seq_id), seq.num_computed_tokens + 1) for seq, t, _ in rows]
+        if rows:
+            out[:len(rows), width:] = [(len(t), book_row(seq.seq_id), seq.num_computed_tokens + 1)
+                                       for seq, t, _ in rows]
 
     def observation_of(self, entries: torch.Tensor) -> torch.Tensor:
         """entry_rows' rows on the device as observe_books and held_observed read them: int64 [n, 2 W + 4], each
