@@ -50,7 +50,7 @@ class NullEngine:
         from o3edge.engine.engine import RequestOutput, StepReport
         self._out, self._report = RequestOutput, StepReport
         self.reqs: dict[str, list[int]] = {}
-        self.info = SimpleNamespace(model_dir="/null", device="cpu", dtype="none", fingerprint="null",
+        self.info = SimpleNamespace(model_dir="/null", device="cpu", dtype="none", backend="null", fingerprint="null",
                                     args=SimpleNamespace(family="null", vocab_size=1000), num_kv_blocks=1,
                                     kv_block_size=16, kv_cache_bytes=0, max_model_len=1 << 20, load_seconds=0.0,
                                     cache_identity="0" * 32)
