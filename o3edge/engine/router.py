@@ -147,10 +147,11 @@ def pinned_rows(ctxs: np.ndarray, width: int, block_size: int, cfg: RouterConfig
     return (i < first)[None, :] | (i[None, :] >= ends[:, None])
 
 
-def unpinned_bounds(ctxs: np.ndarray, block_size: int, cfg: RouterConfig) -> tuple[int, np.ndarray]:
+def unpinned_bounds(ctxs, block_size: int, cfg: RouterConfig) -> tuple[int, np.ndarray | torch.Tensor]:
     """(first, ends [R]): the table indices of the blocks that hold neither an attention sink nor a token of the recent
     window, first <= i < ends[r], for sequences of contexts ctxs [R] (a block i holds a sink when i * block_size <
-    sink_tokens, and reaches the window when (i + 1) * block_size > ctx - recent_tokens)."""
+    sink_tokens, and reaches the window when (i + 1) * block_size > ctx - recent_tokens). ctxs: a NumPy array, or an
+    integer tensor (plan_mask's, on the device: torch's // of integers floors, as NumPy's)."""
     return -(-cfg.sink_tokens // block_size), (ctxs - cfg.recent_tokens) // block_size
 
 
@@ -355,7 +356,8 @@ class KVRouter:
         self.share, self.released = 0, -1
         self.prepared = None  # a graph step's routing started on the device (prepare_routing, or
         # router_graph.py's route graphs): ([(seq_id, context)], holds on the host, event or None, the observing
-        # step's rows or None: _plan's `observed`)
+        # step's rows and their entry_rows or None: _plan's `observed`, with which the holds are plan_mask's
+        # demotions rather than the blocks holding a salient token)
         self.deferred = None  # a refresh's routing, planned at the next step's end: (routed, holds, done, observed)
         self.moves: list[tuple[int, int]] = []  # (full-precision block, compressed block) to quantize (move)
         # moves quantized by one Triton kernel (kernels/kv_quantize.py) rather than torch operations: on CUDA
@@ -555,7 +557,8 @@ class KVRouter:
             self._plan(routed_then, holds, done, self.pending, observed)
         if not routed:
             return
-        if prepared is not None and prepared[0] == [(seq.seq_id, ctx) for seq, ctx, _ in routed]:
+        if prepared is not None and prepared[0] == [(seq.seq_id, ctx) for seq, ctx, _ in routed] \
+                and (decoding or prepared[3] is None):  # (a route graph's demotions: a graph step's alone)
             _, holds, done, observed = prepared
         else:
             holds, done, observed = self._held(routed).cpu(), None, None
@@ -630,10 +633,12 @@ class KVRouter:
         at, index = np.nonzero(mask)  # row-major: each row's demotions in table order
         pairs = list(zip(index.tolist(), entries[at, index].tolist()))
         stops = np.cumsum(np.bincount(at, minlength=len(rows))).tolist()
-        for r, seq, _ in live:
+        for r, seq, ctx in live:
             start, stop = stops[r - 1] if r else 0, stops[r]
             if stop > start:
                 plan = pairs[start:stop]
+                if plan[-1][0] >= ctx // self.block_size:  # (the observation's context is the routed one: end_step)
+                    plan = [(i, block_id) for i, block_id in plan if i < ctx // self.block_size]
                 if seq.table_edits != rows[r][2]:
                     table = seq.block_table
                     plan = [(i, block_id) for i, block_id in plan if table[i] == block_id]
@@ -844,7 +849,7 @@ class KVRouter:
         W, bs = entries.shape[1] - 3, self.block_size
         t, count, ends = entries[:, :W], entries[:, W], entries[:, W + 2]
         col = torch.arange(W, device=entries.device)
-        first, stop = unpinned_bounds(ends, bs, self.cfg)  # (torch's // of integers floors, as numpy's)
+        first, stop = unpinned_bounds(ends, bs, self.cfg)
         stop = torch.minimum(stop, ends // bs)  # sealed only
         ok = (col < count[:, None]) & (t < self.num_full_blocks) & (col >= first) & (col < stop[:, None])
         return ok & ~held[:, col.clamp(max=held.shape[1] - 1)]

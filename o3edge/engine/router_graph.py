@@ -90,7 +90,7 @@ class RouterDecodeGraphs(DecodeGraphs):
             self.mass_taken = torch.zeros_like(self.mass)  # a taken observing step's probabilities
             self.obs_host = [torch.zeros(B, width, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
             self.obs = torch.zeros(B, width, dtype=torch.long, device=dev)
-            self.holds_host = [torch.zeros(B, self.max_blocks, dtype=torch.bool, pin_memory=pinned)
+            self.demote_host = [torch.zeros(B, self.max_blocks, dtype=torch.bool, pin_memory=pinned)
                                for _ in range(2)]  # the refresh's demotions (KVRouter.plan_mask)
 
     def attention_per_sm(self) -> tuple[int, bool]:
@@ -142,13 +142,13 @@ class RouterDecodeGraphs(DecodeGraphs):
     def _route(self, key: tuple[int, int]) -> tuple:
         """A refresh's device work for bucket B from host buffer `parity`: the observing step's entries in
         (KVRouter.entry_rows), split into the pools (observation_of), the books added to (observe_books), the
-        saliency read and routed (held_observed), the demotions found (plan_mask) and out to holds_host[parity]."""
+        saliency read and routed (held_observed), the demotions found (plan_mask) and out to demote_host[parity]."""
         B, parity = key
         router = self.runner.router
         entries = self.obs[:B].copy_(self.obs_host[parity][:B], non_blocking=True)
         meta = router.observation_of(entries)
         router.observe_books(meta, self.mass_taken[:B])
-        self.holds_host[parity][:B].copy_(router.plan_mask(entries, router.held_observed(meta)), non_blocking=True)
+        self.demote_host[parity][:B].copy_(router.plan_mask(entries, router.held_observed(meta)), non_blocking=True)
         return ()
 
     def _observe_and_route(self, observed, batch) -> None:
@@ -173,7 +173,7 @@ class RouterDecodeGraphs(DecodeGraphs):
         else:
             self._route((B, parity))
         router.prepared = ([(seq.seq_id, seq.num_computed_tokens + 1) for seq, _ in batch],
-                           self.holds_host[parity][:n], done, (observed, entries[:n]))
+                           self.demote_host[parity][:n], done, (observed, entries[:n]))
 
     def _attention(self, layer, qkv, cos, sin, meta, heads, splits, q_norm, k_norm, eps, mass=None):
         from o3edge.engine.kernels.quant_attention import router_decode_attention
