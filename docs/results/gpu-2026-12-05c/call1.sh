@@ -1,6 +1,6 @@
 # call 1 (2026-12-05, twentieth session; not run: no device machine could be started): the nineteenth session's
-# work on the GPU, which had none lent, and this session's refresh on the device, in one call (files go to $OUT as they are made; later parts are skipped when the
-# call's time runs short):
+# work on the GPU, which had none lent, and this session's refresh on the device, in one call (files go to $OUT as
+# they are made; later parts are skipped when the call's time runs short):
 # 1. the router's graph tests on CUDA (its CUDA events on the engine's device's current stream, dddc6e3; a refresh's
 #    route graph now splitting the observing step's entries into the pools and finding the demotions, 125b3ec);
 # 2. the trained model's router against full precision, three rounds alternating in one process, with the lighter
