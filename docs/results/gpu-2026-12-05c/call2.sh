@@ -1,4 +1,4 @@
-# call 2 (2026-12-05, twentieth session; not run: call 1 cut to fit ~450 s after ten starts that failed): the nineteenth
+# call 2 (2026-12-05, twentieth session; not run: call 1 cut to fit ~450 s after twelve starts failed): the nineteenth
 # session's work on the GPU, which had none lent, and this
 # session's refresh on the device, in one call (files go to $OUT as they are made; later parts are skipped when the
 # call's time runs short):
