@@ -102,14 +102,15 @@ def main() -> None:
         return (rows, r.split_rows(rows)) if batched else rows
 
     rows = made_rows()
-    # on the device (not timed: a graph replay on CUDA): the demotions among the entries, what the plan reads back
-    mask = r.plan_mask(torch.from_numpy(observed(rows)[1]), held).numpy() if on_device else held
+    # what a graph refresh's plan reads: the demotions among the entries, found on the device (untimed: a graph
+    # replay on CUDA), in trees that do that; else the blocks holding a salient token
+    holds = r.plan_mask(torch.from_numpy(observed(rows)[1]), held) if on_device else held
 
     def refresh_rows():  # the observing step's rows made, its observation's rows, its routing's plan
         rows = made_rows()
         if on_device:
             r.entry_rows(rows, entries)
-            r._plan(routed, torch.from_numpy(mask), None, {}, (rows, entries))
+            r._plan(routed, holds, None, {}, (rows, entries))
         elif batched:
             split = r.split_rows(rows)
             r.observation_meta(rows, 128, split)
@@ -136,8 +137,7 @@ def main() -> None:
 
     batch = [(seq, 1) for seq in seqs]
 
-    prepared = ([(seq.seq_id, CTX) for seq in seqs], torch.from_numpy(mask) if on_device else held, None) + (
-        (observed(rows),) if observing else ())
+    prepared = ([(seq.seq_id, CTX) for seq in seqs], holds, None) + ((observed(rows),) if observing else ())
 
     def refresh_setup():  # a graph refresh step's routing, prepared on the device (its set-up, taken off its time)
         r.step_no, r.prepared, r.deferred = 31, prepared, None
@@ -161,7 +161,6 @@ def main() -> None:
              "end_step of a graph refresh step (16 sequences)": (refresh_end, refresh_setup)}
     if observing:
         split = observed(rows)  # (with split_rows: made once, as observation_meta and the plan share it)
-        holds = torch.from_numpy(mask) if on_device else held  # (the device's demotions, or the saliency's blocks)
         parts[f"_plan from the observing rows (16 sequences, {sum(map(len, plans.values()))} demotions)"] = (
             lambda: r._plan(routed, holds, None, {}, split), None)
     parts["a refresh's rows made, observed and planned from (16 sequences)"] = (refresh_rows, None)

@@ -636,9 +636,9 @@ class KVRouter:
         for r, seq, ctx in live:
             start, stop = stops[r - 1] if r else 0, stops[r]
             if stop > start:
-                plan = pairs[start:stop]
-                if plan[-1][0] >= ctx // self.block_size:  # (the observation's context is the routed one: end_step)
-                    plan = [(i, block_id) for i, block_id in plan if i < ctx // self.block_size]
+                plan, sealed = pairs[start:stop], ctx // self.block_size
+                if plan[-1][0] >= sealed:  # (the observation's context is the routed one: end_step)
+                    plan = [(i, block_id) for i, block_id in plan if i < sealed]
                 if seq.table_edits != rows[r][2]:
                     table = seq.block_table
                     plan = [(i, block_id) for i, block_id in plan if table[i] == block_id]

@@ -91,7 +91,7 @@ class RouterDecodeGraphs(DecodeGraphs):
             self.obs_host = [torch.zeros(B, width, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
             self.obs = torch.zeros(B, width, dtype=torch.long, device=dev)
             self.demote_host = [torch.zeros(B, self.max_blocks, dtype=torch.bool, pin_memory=pinned)
-                               for _ in range(2)]  # the refresh's demotions (KVRouter.plan_mask)
+                                for _ in range(2)]  # the refresh's demotions (KVRouter.plan_mask)
 
     def attention_per_sm(self) -> tuple[int, bool]:
         return router_attention_per_sm(self.runner.router.cfg.mode), True
