@@ -11,7 +11,10 @@
 #    the two switches that lowered the board's power in the seventeenth session (O3EDGE_GEMV_X_AHEAD=0 alone: 4.993
 #    against 4.866-4.892; O3EDGE_ATTN_PREFETCH=0 alone 4.876), now together;
 # 5. the host step with the device stubbed, on this machine's CPU (thread CPU time), both settings.
+# CALL_LIMIT_S (default 600): the call's time limit, from which each part's last start is reckoned (450 for a call
+# squeezed by the device time left).
 set -x
+LIMIT=${CALL_LIMIT_S:-600}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 R=$OUT
@@ -23,7 +26,7 @@ timeout 200 python3 tools/bench_router.py --gpu --shape model --context 3840 --b
 grep -E "x of full" $R/router-rounds.log; grep -E "round [0-9]" $R/router-rounds.log | grep -oE "^[a-z0-9-]+|round [0-9]|'by_kind': .*'graph_steps'|'graph_replay_ms': [0-9.]+" | paste -sd' ' | sed 's/ \(off\|router-int8\) /\n\1 /g'
 run() {  # name, then environment assignments
   name=$1; shift
-  [ $SECONDS -gt 360 ] && { echo "skip $name at ${SECONDS}s"; return; }
+  [ $SECONDS -gt $((LIMIT * 3 / 5)) ] && { echo "skip $name at ${SECONDS}s"; return; }
   env "$@" timeout 60 python3 tools/bench_router.py --gpu --shape model --context 3840 --batch 16 --rounds 1 \
     --only off,router-int8 --json $R/router-$name.json > $R/router-$name.log 2>&1
   echo "$name: $(grep -oE "'(graph_replay|step)_ms(_p50)?': [0-9.]+|'decode_tokens_per_s': [0-9.]+" $R/router-$name.log | paste -sd' ')"
@@ -34,13 +37,13 @@ run ctile64 O3EDGE_ROUTER_TILING=64,64,4,2
 i=0
 for v in base "O3EDGE_GEMV_X_AHEAD=0 O3EDGE_ATTN_PREFETCH=0" base "O3EDGE_GEMV_X_AHEAD=0 O3EDGE_ATTN_PREFETCH=0"; do
   i=$((i+1))
-  [ $SECONDS -gt 500 ] && { echo "skip tokj $i at ${SECONDS}s"; continue; }
+  [ $SECONDS -gt $((LIMIT * 5 / 6)) ] && { echo "skip tokj $i at ${SECONDS}s"; continue; }
   env $([ "$v" = base ] || echo $v) timeout 45 python3 tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4-all \
     --skip-base --batches 1 --skip-hf --json $R/tokj-$i.json > $R/tokj-$i.log 2>&1
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['systems']['o3edge INT4 (all linears)']; b=r['b1']; print(sys.argv[2], round(b['tok_s']), round(b['tok_j'],3), round(b['tok_s']/b['tok_j']), 'W ttft', round(r['ttft_ms'],2))" $R/tokj-$i.json "$v"
 done
 for s in off router-int8; do
-  [ $SECONDS -gt 530 ] && { echo "skip host $s at ${SECONDS}s"; continue; }
+  [ $SECONDS -gt $((LIMIT * 53 / 60)) ] && { echo "skip host $s at ${SECONDS}s"; continue; }
   O3EDGE_CPU_KERNELS=torch timeout 30 python3 tools/bench_host_step.py --setting $s --batch 16 --context 3840 \
     --steps 128 --repeat 1 --clock thread --json $R/host-$s.json > $R/host-$s.log 2>&1
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], [(r['mean_ms'], r.get('cycle_extra_ms'), {k: v['median_ms'] for k, v in r['by_kind'].items()}) for r in d['runs']])" $R/host-$s.json
