@@ -134,7 +134,8 @@ class Detokenizer:
         self.ids: list[int] = []
         # the text decoded and not yet returned, after the last `hold` characters returned (where a stop string
         # may start); what was returned before those is dropped, so that a token's cost does not grow with the
-        # text (16,000 tokens: 1.33 -> 1.50 us a token by the last 4,000 when all of it was kept)
+        # text (tools/bench_detok.py, 16,000 tokens: 1.11 -> 1.38 us a token over the output when all of it was
+        # kept, 0.96-1.03 throughout now; docs/results/cpu-detok-2026-12-05/)
         self.text = ""
         self.emitted = 0  # characters of self.text already returned
         self._prefix, self._read = 0, 0
