@@ -660,6 +660,47 @@ def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype
     assert torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("weights", ["1", "2,3"])
+def test_router_decode_kernel_joined_splits_attend_every_key_once(mode, splits, weights, monkeypatch, device="cpu",
+                                                                   dtype=torch.float16):
+    """O3EDGE_ROUTER_JOINED: a row's key splits share the tiles of both pools in a row (16 full keys, then
+    two compressed blocks, a tile here; tiles of equal cost, or a compressed tile 1.5 a full one's), one split
+    reading the end of one pool and the start of the other, some splits none: the output still matches
+    dequantize-then-attend (a key read twice or left out would move it)."""
+    from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
+
+    monkeypatch.setenv("O3EDGE_ROUTER_JOINED", weights)
+    torch.manual_seed(10)
+    H, KVH, hd, bs, nblocks, mb = 4, 2, 64, 8, 16, 8
+    kv = (torch.randn(2, (nblocks + 1) * bs, KVH, hd) * 2).to(device, dtype)
+    rot = hadamard(hd, device=device) if mode == "int4" else None
+    codes, scales = quantize(torch.randn(2, 10 * bs, KVH, hd, device=device) * 2, mode, rot)
+    freqs = torch.arange(256)[:, None] / 10000 ** (torch.arange(0, hd, 2) / hd)
+    cos, sin = torch.cat((freqs, freqs), -1).cos().to(device), torch.cat((freqs, freqs), -1).sin().to(device)
+    rows = [(1, 61, [0, 3, 5, 11, 14], [2, 7, 9]),  # 37 full keys (3 tiles), 3 compressed blocks (2 tiles)
+            (2, 5, [4], []),  # one full tile, nothing compressed
+            (3, 40, [6], [0, 1, 3, 4, 5]),  # nothing full before the new token, 3 compressed tiles
+            (4, 51, [8, 10, 12, 13, 15, 2], [6])]  # 43 full keys, 1 compressed block
+    meta = router_meta(rows, mb, nblocks * bs, bs).to(device)
+    qkv = torch.randn(len(rows), (H + 2 * KVH) * hd, device=device).to(dtype)
+    out = router_decode_attention(qkv, cos, sin, meta, kv[0].clone(), kv[1].clone(), codes, scales, rot, mode, H,
+                                  bs, splits, config=(16, 16, 4, 2))
+    want = router_decode_reference(qkv, cos, sin, meta, kv[0].clone(), kv[1].clone(), codes, scales, rot, mode, H,
+                                   bs)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("weights", ["1", "2,3"])
+def test_router_decode_kernel_joined_splits_on_the_gpu(mode, splits, weights, monkeypatch):
+    test_router_decode_kernel_joined_splits_attend_every_key_once(mode, splits, weights, monkeypatch, device="cuda",
+                                                                  dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("variant", ["first", "fast", "halves"])  # O3EDGE_ROUTER_FAST=0, the default, and halves
 def test_router_decode_kernel_takes_a_large_query_into_float16_range(variant, monkeypatch, device="cpu",
                                                                       dtype=torch.float16):

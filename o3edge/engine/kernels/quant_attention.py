@@ -367,6 +367,37 @@ def _observe_scores_kernel(scores_ptr, part_lse_ptr, meta_ptr, stride_meta, mass
 
 
 @triton.jit
+def _joined_cuts(n_full, n_comp, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                 WF: tl.constexpr, WC: tl.constexpr):
+    """A key split's share of a row's tiles, both pools in a row: the full-precision pool's tiles of BLOCK_N
+    keys (tf of them, WF a tile), then the compressed pool's of NB blocks (WC a tile), the whole cost cut
+    into NUM_SPLITS equal runs; a tile belongs to the run its cost starts in. (the run's costs [c0, c1), tf)."""
+    tf = tl.cdiv(n_full, BLOCK_N)
+    per = tl.cdiv(tf * WF + tl.cdiv(n_comp, NB) * WC, NUM_SPLITS)
+    return split * per, (split + 1) * per, tf
+
+
+@triton.jit
+def joined_full_range(n_full, n_comp, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                      WF: tl.constexpr, WC: tl.constexpr):
+    """[start, end) of the n_full full-precision keys in a split's joined share (_joined_cuts; empty: end <=
+    start)."""
+    c0, c1, tf = _joined_cuts(n_full, n_comp, split, NUM_SPLITS, BLOCK_N, NB, WF, WC)
+    return (tl.minimum(tl.cdiv(c0, WF), tf) * BLOCK_N,
+            tl.minimum(tl.minimum(tl.cdiv(c1, WF), tf) * BLOCK_N, n_full))
+
+
+@triton.jit
+def joined_comp_range(n_full, n_comp, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                      WF: tl.constexpr, WC: tl.constexpr):
+    """[start, end) of the n_comp compressed blocks in a split's joined share (_joined_cuts; empty: end <=
+    start)."""
+    c0, c1, tf = _joined_cuts(n_full, n_comp, split, NUM_SPLITS, BLOCK_N, NB, WF, WC)
+    return (tl.cdiv(tl.maximum(c0 - tf * WF, 0), WC) * NB,
+            tl.minimum(tl.cdiv(tl.maximum(c1 - tf * WF, 0), WC) * NB, n_comp))
+
+
+@triton.jit
 def _router_decode_kernel(
         qkv_ptr, stride_qkv, cos_ptr, sin_ptr, meta_ptr, stride_meta, MAX_BLOCKS,
         k_cache_ptr, v_cache_ptr, stride_slot, k_codes, v_codes, k_scales, v_scales, c_slot, c_head, s_slot, s_head,
@@ -376,7 +407,8 @@ def _router_decode_kernel(
         HD_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, CBLOCK_N: tl.constexpr,
         NB: tl.constexpr, NUM_SPLITS: tl.constexpr, BITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr,
         OBSERVE: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, FAST: tl.constexpr = False,
-        SCORES: tl.constexpr = False, F16: tl.constexpr = False, HALVES: tl.constexpr = False):
+        SCORES: tl.constexpr = False, F16: tl.constexpr = False, HALVES: tl.constexpr = False,
+        JOIN_FULL: tl.constexpr = 0, JOIN_COMP: tl.constexpr = 0):
     pdl.launch_next(PDL)  # kernels/pdl.py, as decode_attention
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = k_cache_ptr.dtype.element_ty
@@ -391,8 +423,11 @@ def _router_decode_kernel(
                                      stride_slot, kvh, split, d, g, g_mask, qn_ptr, kn_ptr, eps, H, KVH, G, HD,
                                      QK_NORM, PDL, dtype)
 
-    # the full-precision keys: this split's chunk of the compacted table
-    start, end = split_range(n_full, split, NUM_SPLITS, BLOCK_N)
+    # the full-precision keys: this split's chunk of the compacted table (joined_splits: of both pools' tiles)
+    if JOIN_FULL > 0:
+        start, end = joined_full_range(n_full, n_comp, split, NUM_SPLITS, BLOCK_N, NB, JOIN_FULL, JOIN_COMP)
+    else:
+        start, end = split_range(n_full, split, NUM_SPLITS, BLOCK_N)
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
     # SCORES (an observing step in key splits): each key's scaled score by head, for _observe_scores_kernel
     score_row = scores_ptr + (b * H + kvh * G).to(tl.int64) * 2 * MASS_P
@@ -407,13 +442,17 @@ def _router_decode_kernel(
             store_scores(score_row, n_full + one, one < 1, s_self[:, None], g, g_mask, 2 * MASS_P)
 
     # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
-    qf = _rotated(q.to(tl.float32), rot_ptr, d, n_comp, HD, BITS, FAST)
+    if JOIN_FULL > 0:
+        j_start, j_end = joined_comp_range(n_full, n_comp, split, NUM_SPLITS, BLOCK_N, NB, JOIN_FULL, JOIN_COMP)
+    else:
+        per = tl.cdiv(n_comp, NUM_SPLITS)
+        j_start = split * per
+        j_end = tl.minimum(j_start + per, n_comp)
+    n_mine = tl.maximum(j_end - j_start, 0)  # compressed blocks this program attends to
+    qf = _rotated(q.to(tl.float32), rot_ptr, d, n_mine, HD, BITS, FAST)
     c_scale = sm_scale  # the compressed pool's score scale
     if F16:
         qf, c_scale = _f16_range(qf, sm_scale)
-    per = tl.cdiv(n_comp, NUM_SPLITS)
-    j_start = split * per
-    j_end = tl.minimum(j_start + per, n_comp)
     m_c, l_c, acc_c = softmax_init(G_PAD, HD_PAD)
     ctable = meta + 5 + MAX_BLOCKS
     c_row = score_row + MASS_P  # with SCORES: the compressed keys' scores after the full ones
@@ -443,7 +482,7 @@ def _router_decode_kernel(
                                               v_scales, kvh, d, c_slot, c_head, s_slot, s_head, c_scale, HD,
                                               KV_BLOCK, NB, CBLOCK_N, BITS, IEEE, cdtype, FAST, SCORES, c_row, g,
                                               g_mask, 2 * MASS_P)
-    acc_c = _rotated(acc_c, rot_ptr, d, n_comp, HD, BITS, FAST)  # back from the rotated basis
+    acc_c = _rotated(acc_c, rot_ptr, d, n_mine, HD, BITS, FAST)  # back from the rotated basis
 
     # merge the two pools: one (output, log-sum-exp) per row
     m_all = tl.maximum(m, m_c)
@@ -496,6 +535,28 @@ def halves_int4() -> bool:
     16 sequences at 4,096 tokens, bf16, every sealed block INT4; docs/results/gpu-2026-12-03/a2/) a layer
     took 51.3 us interleaved and 40.3 in halves, against 43.0 for full-precision bf16 K/V."""
     return os.environ.get("O3EDGE_ROUTER_HALVES", "1") != "0"
+
+
+def joined_splits() -> tuple[int, int]:
+    """(a full-precision tile's cost, a compressed tile's), or (0, 0): whether a row's key splits share its tiles
+    of both pools in a row (O3EDGE_ROUTER_JOINED=WF,WC; 1 for 1,1, a measurement switch). The full-precision
+    pool's tiles of BLOCK_N keys, then the compressed pool's of NB blocks, weighted by those costs, are cut
+    into equal runs, one a split, so that only the split where one pool ends and the other starts reads both.
+    Otherwise (the default until measured on the GPU) every split takes a share of each pool: two loops, each
+    with its own first load to wait for, and the compressed share counted in blocks, not tiles (at 11 blocks
+    a split and 8 a tile, a second tile three eighths full). On an H100 (call 1 of
+    docs/results/gpu-2026-12-05d/, the trained model at 16 x 3,840, 73% of its keys compressed; graph replay,
+    tools/bench_router.py --gpu --shape model) the router's step took 0.327 ms joined (1,1) against
+    0.334-0.336, 0.325 with 64 compressed keys a tile; alone (tools/bench_attention.py --shape ref-long,
+    call 2), half the blocks compressed, 15.3 us a layer against 12.5: a program's three 128-key compressed
+    tiles take longer than two full-precision tiles and one compressed."""
+    text = os.environ.get("O3EDGE_ROUTER_JOINED", "0")
+    if text in ("", "0"):
+        return 0, 0
+    if text == "1":
+        return 1, 1
+    wf, wc = (int(x) for x in text.split(","))
+    return wf, wc
 
 
 def register_cap(observe: bool) -> dict:
@@ -558,6 +619,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     block_n, ctile, warps, stages = config or tiling_override() or (key_tile(HD), 128, 4, 2)
     nb = max(1, ctile // block_size) if pow2 else 1
     cblock = max(16, triton.next_power_of_2(nb * block_size))
+    joined = joined_splits()
     _router_decode_kernel[(B, KVH, num_splits)](
         qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), max_blocks, k_cache, v_cache, k_cache.stride(0),
         codes[0], codes[1], scales[0], scales[1], codes.stride(1), codes.stride(2), scales.stride(1),
@@ -569,7 +631,8 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         NUM_SPLITS=num_splits, BITS=8 if mode == "int8" else 4, QK_NORM=norm, IEEE=k_cache.dtype == torch.float32,
         OBSERVE=observe and not scored, INTERPRET=INTERPRET, PDL=on, FAST=fast, SCORES=scored,
         F16=f16, HALVES=(mode == "int4" and fast and f16 and not observe and HD & (HD - 1) == 0
-                         and halves_int4()), num_warps=warps,
+                         and halves_int4()), JOIN_FULL=joined[0], JOIN_COMP=joined[1],
+        num_warps=warps,
         num_stages=stages, **pdl.launch_options(on), **register_cap(observe))
     out = merge_splits(out, part_o, part_lse, num_splits, on)
     if scored:
