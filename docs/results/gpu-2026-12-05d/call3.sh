@@ -1,0 +1,55 @@
+# call 3 (2026-12-05, twenty-first session): the router's joined key splits weighted (O3EDGE_ROUTER_JOINED=WF,WC:
+# a 128-key compressed tile counted as 1.5 full-precision tiles, after call 2 found three compressed tiles a
+# program slower than two full-precision and one compressed), and joined with 64-key compressed tiles: the
+# kernels alone at the trained model's shape (tools/bench_attention.py --shape ref-long, 16 x 3,840; int8-0.73 is
+# the trained model's share of compressed blocks), then whole decode on the trained model (tools/bench_router.py,
+# one round a process, alternating); tokens per joule at batch 1 with every linear INT4 (issue 12), the default
+# twice and O3EDGE_GEMV_X_AHEAD=0 alone once. Everything goes into one archive (at most 8 files come back).
+set -x
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+R=/tmp/r; mkdir -p $R
+cp docs/results/gpu-2026-12-05d/call3.sh $R/commands.sh
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit,temperature.gpu --format=csv > $R/machine.txt
+cat $R/machine.txt
+timeout 90 python3 -m pytest -v -m gpu tests/engine/test_router.py -k joined -p no:cacheprovider > $R/tests-joined.log 2>&1
+tail -n 1 $R/tests-joined.log
+attn() {  # name, configs, then environment assignments
+  name=$1; configs=$2; shift 2
+  env "$@" timeout 60 python3 tools/bench_attention.py --shape ref-long --batch 16 --context 3840 \
+    --cases off,int8-0.73,int8-half,int8 --configs "$configs" --json $R/attn-$name.json > $R/attn-$name.log 2>&1
+  echo "$name: $(grep -E '^(off|int8[a-z0-9.-]*): planned' $R/attn-$name.log | sed 's/ (.*GB\/s); best/ best/' | paste -sd' ')"
+}
+attn default '[]' O3EDGE_NOTHING=1
+attn joined11 '[]' O3EDGE_ROUTER_JOINED=1
+attn joined23 '[]' O3EDGE_ROUTER_JOINED=2,3
+attn joined11-ctile64 '[[64,64,4,2]]' O3EDGE_ROUTER_JOINED=1
+run() {  # name, then environment assignments
+  name=$1; shift
+  [ $SECONDS -gt 400 ] && { echo "skip $name at ${SECONDS}s"; return; }
+  env "$@" timeout 60 python3 tools/bench_router.py --gpu --shape model --context 3840 --batch 16 --rounds 1 \
+    --only off,router-int8 --json $R/router-$name.json > $R/router-$name.log 2>&1
+  python3 - $R/router-$name.json $name <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))["results"]
+off, rt = d["off (CUDA graphs)"], d["router-int8 (CUDA graphs)"]
+print(sys.argv[2], "ratio", round(rt["decode_tokens_per_s"] / off["decode_tokens_per_s"], 3), "replay",
+      off["graph_replay_ms"], rt["graph_replay_ms"], "steps", {k: v["median_ms"] for k, v in rt["by_kind"].items()})
+PY
+}
+run default-1 O3EDGE_NOTHING=1
+run joined23-1 O3EDGE_ROUTER_JOINED=2,3
+run joined11-ctile64-1 O3EDGE_ROUTER_JOINED=1 O3EDGE_ROUTER_TILING=64,64,4,2
+run default-2 O3EDGE_NOTHING=1
+run joined23-2 O3EDGE_ROUTER_JOINED=2,3
+run joined11-ctile64-2 O3EDGE_ROUTER_JOINED=1 O3EDGE_ROUTER_TILING=64,64,4,2
+i=0
+for v in base O3EDGE_GEMV_X_AHEAD=0 base; do
+  i=$((i+1))
+  [ $SECONDS -gt 480 ] && { echo "skip tokj $i at ${SECONDS}s"; continue; }
+  env $([ "$v" = base ] || echo $v) timeout 75 python3 tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4-all \
+    --skip-base --batches 1 --skip-hf --json $R/tokj-$i.json > $R/tokj-$i.log 2>&1
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['systems']['o3edge INT4 (all linears)']; b=r['b1']; print(sys.argv[2], round(b['tok_s']), round(b['tok_j'],3), round(b['tok_s']/b['tok_j']), 'W ttft', round(r['ttft_ms'],2))" $R/tokj-$i.json "$v" || tail -n 3 $R/tokj-$i.log
+done
+tar czf $OUT/call3.tgz -C $R .
+echo "done at ${SECONDS}s"
