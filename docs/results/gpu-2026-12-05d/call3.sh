@@ -1,6 +1,7 @@
 # call 3 (2026-12-05, twenty-first session): the router's joined key splits weighted (O3EDGE_ROUTER_JOINED=WF,WC:
 # a 128-key compressed tile counted as 1.5 full-precision tiles, after call 2 found three compressed tiles a
-# program slower than two full-precision and one compressed), and joined with 64-key compressed tiles: the
+# program slower than two full-precision and one compressed), joined with 64-key compressed tiles, and joined at
+# 80 registers a thread (24 splits, six programs an SM): the
 # kernels alone at the trained model's shape (tools/bench_attention.py --shape ref-long, 16 x 3,840; int8-0.73 is
 # the trained model's share of compressed blocks), then whole decode on the trained model (tools/bench_router.py,
 # one round a process, alternating); tokens per joule at batch 1 with every linear INT4 (issue 12), the default
@@ -14,16 +15,19 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit,temperature
 cat $R/machine.txt
 timeout 90 python3 -m pytest -v -m gpu tests/engine/test_router.py -k joined -p no:cacheprovider > $R/tests-joined.log 2>&1
 tail -n 1 $R/tests-joined.log
-attn() {  # name, configs, then environment assignments
-  name=$1; configs=$2; shift 2
+attn() {  # name, extra arguments (one word), then environment assignments
+  name=$1; extra=$2; shift 2
   env "$@" timeout 60 python3 tools/bench_attention.py --shape ref-long --batch 16 --context 3840 \
-    --cases off,int8-0.73,int8-half,int8 --configs "$configs" --json $R/attn-$name.json > $R/attn-$name.log 2>&1
+    --cases off,int8-0.73,int8-half,int8 $extra --json $R/attn-$name.json > $R/attn-$name.log 2>&1
   echo "$name: $(grep -E '^(off|int8[a-z0-9.-]*): planned' $R/attn-$name.log | sed 's/ (.*GB\/s); best/ best/' | paste -sd' ')"
+  grep -oE '"case": "int8-0.73", "splits": [0-9]+, "config": [^,]*(, [0-9]+)*\]?, "us": [0-9.]+' $R/attn-$name.log | paste -sd' '
 }
-attn default '[]' O3EDGE_NOTHING=1
-attn joined11 '[]' O3EDGE_ROUTER_JOINED=1
-attn joined23 '[]' O3EDGE_ROUTER_JOINED=2,3
-attn joined11-ctile64 '[[64,64,4,2]]' O3EDGE_ROUTER_JOINED=1
+attn default --splits=24 O3EDGE_NOTHING=1
+attn joined11 --splits=24 O3EDGE_ROUTER_JOINED=1
+attn joined23 --splits=24 O3EDGE_ROUTER_JOINED=2,3
+attn joined11-ctile64 --configs=[[64,64,4,2]] O3EDGE_ROUTER_JOINED=1
+attn joined11-nreg80 --splits=24 O3EDGE_ROUTER_JOINED=1 O3EDGE_ROUTER_MAXNREG=80
+attn joined23-nreg80 --splits=24 O3EDGE_ROUTER_JOINED=2,3 O3EDGE_ROUTER_MAXNREG=80
 run() {  # name, then environment assignments
   name=$1; shift
   [ $SECONDS -gt 400 ] && { echo "skip $name at ${SECONDS}s"; return; }
@@ -42,7 +46,7 @@ run joined23-1 O3EDGE_ROUTER_JOINED=2,3
 run joined11-ctile64-1 O3EDGE_ROUTER_JOINED=1 O3EDGE_ROUTER_TILING=64,64,4,2
 run default-2 O3EDGE_NOTHING=1
 run joined23-2 O3EDGE_ROUTER_JOINED=2,3
-run joined11-ctile64-2 O3EDGE_ROUTER_JOINED=1 O3EDGE_ROUTER_TILING=64,64,4,2
+run joined23-persm6 O3EDGE_ROUTER_JOINED=2,3 O3EDGE_ROUTER_MAXNREG=80 O3EDGE_ROUTER_PER_SM=6
 i=0
 for v in base O3EDGE_GEMV_X_AHEAD=0 base; do
   i=$((i+1))
