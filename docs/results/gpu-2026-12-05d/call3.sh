@@ -6,7 +6,9 @@
 # the trained model's share of compressed blocks), then whole decode on the trained model (tools/bench_router.py,
 # one round a process, alternating); tokens per joule at batch 1 with every linear INT4 (issue 12), the default
 # twice and O3EDGE_GEMV_X_AHEAD=0 alone once. Everything goes into one archive (at most 8 files come back).
+# CALL_LIMIT_S (default 560): the call's time limit, from which the last start of each part is reckoned.
 set -x
+LIMIT=${CALL_LIMIT_S:-560}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 R=/tmp/r; mkdir -p $R
@@ -30,7 +32,7 @@ attn joined11-nreg80 --splits=24 O3EDGE_ROUTER_JOINED=1 O3EDGE_ROUTER_MAXNREG=80
 attn joined23-nreg80 --splits=24 O3EDGE_ROUTER_JOINED=2,3 O3EDGE_ROUTER_MAXNREG=80
 run() {  # name, then environment assignments
   name=$1; shift
-  [ $SECONDS -gt 400 ] && { echo "skip $name at ${SECONDS}s"; return; }
+  [ $SECONDS -gt $((LIMIT * 7 / 10)) ] && { echo "skip $name at ${SECONDS}s"; return; }
   env "$@" timeout 60 python3 tools/bench_router.py --gpu --shape model --context 3840 --batch 16 --rounds 1 \
     --only off,router-int8 --json $R/router-$name.json > $R/router-$name.log 2>&1
   python3 - $R/router-$name.json $name <<'PY'
@@ -50,7 +52,7 @@ run joined23-persm6 O3EDGE_ROUTER_JOINED=2,3 O3EDGE_ROUTER_MAXNREG=80 O3EDGE_ROU
 i=0
 for v in base O3EDGE_GEMV_X_AHEAD=0 base; do
   i=$((i+1))
-  [ $SECONDS -gt 480 ] && { echo "skip tokj $i at ${SECONDS}s"; continue; }
+  [ $SECONDS -gt $((LIMIT * 17 / 20)) ] && { echo "skip tokj $i at ${SECONDS}s"; continue; }
   env $([ "$v" = base ] || echo $v) timeout 75 python3 tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4-all \
     --skip-base --batches 1 --skip-hf --json $R/tokj-$i.json > $R/tokj-$i.log 2>&1
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['systems']['o3edge INT4 (all linears)']; b=r['b1']; print(sys.argv[2], round(b['tok_s']), round(b['tok_j'],3), round(b['tok_s']/b['tok_j']), 'W ttft', round(r['ttft_ms'],2))" $R/tokj-$i.json "$v" || tail -n 3 $R/tokj-$i.log
