@@ -15,6 +15,7 @@ R=/tmp/r; mkdir -p $R
 cp docs/results/gpu-2026-12-05d/call3.sh $R/commands.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit,temperature.gpu --format=csv > $R/machine.txt
 cat $R/machine.txt
+pack() { tar czf $OUT/call3.tgz -C $R .; }  # after each part: what is done comes back if the call is cut
 timeout 90 python3 -m pytest -v -m gpu tests/engine/test_router.py -k joined -p no:cacheprovider > $R/tests-joined.log 2>&1
 tail -n 1 $R/tests-joined.log
 attn() {  # name, extra arguments (one word), then environment assignments
@@ -30,6 +31,7 @@ attn joined23 --splits=24 O3EDGE_ROUTER_JOINED=2,3
 attn joined11-ctile64 --configs=[[64,64,4,2]] O3EDGE_ROUTER_JOINED=1
 attn joined11-nreg80 --splits=24 O3EDGE_ROUTER_JOINED=1 O3EDGE_ROUTER_MAXNREG=80
 attn joined23-nreg80 --splits=24 O3EDGE_ROUTER_JOINED=2,3 O3EDGE_ROUTER_MAXNREG=80
+pack
 run() {  # name, then environment assignments
   name=$1; shift
   [ $SECONDS -gt $((LIMIT * 7 / 10)) ] && { echo "skip $name at ${SECONDS}s"; return; }
@@ -42,6 +44,7 @@ off, rt = d["off (CUDA graphs)"], d["router-int8 (CUDA graphs)"]
 print(sys.argv[2], "ratio", round(rt["decode_tokens_per_s"] / off["decode_tokens_per_s"], 3), "replay",
       off["graph_replay_ms"], rt["graph_replay_ms"], "steps", {k: v["median_ms"] for k, v in rt["by_kind"].items()})
 PY
+  pack
 }
 run default-1 O3EDGE_NOTHING=1
 run joined23-1 O3EDGE_ROUTER_JOINED=2,3
@@ -56,6 +59,6 @@ for v in base O3EDGE_GEMV_X_AHEAD=0 base; do
   env $([ "$v" = base ] || echo $v) timeout 75 python3 tools/bench_gpu.py --shape tinyllama-1.1b --dtype float16 --int4-all \
     --skip-base --batches 1 --skip-hf --json $R/tokj-$i.json > $R/tokj-$i.log 2>&1
   python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['systems']['o3edge INT4 (all linears)']; b=r['b1']; print(sys.argv[2], round(b['tok_s']), round(b['tok_j'],3), round(b['tok_s']/b['tok_j']), 'W ttft', round(r['ttft_ms'],2))" $R/tokj-$i.json "$v" || tail -n 3 $R/tokj-$i.log
+  pack
 done
-tar czf $OUT/call3.tgz -C $R .
 echo "done at ${SECONDS}s"
