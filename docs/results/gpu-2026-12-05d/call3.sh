@@ -20,18 +20,19 @@ timeout 90 python3 -m pytest -v -m gpu tests/engine/test_router.py -k joined -p 
 tail -n 1 $R/tests-joined.log
 attn() {  # name, extra arguments (one word), then environment assignments
   name=$1; extra=$2; shift 2
+  [ $SECONDS -gt $((LIMIT * 3 / 4)) ] && { echo "skip $name at ${SECONDS}s"; return; }
   env "$@" timeout 60 python3 tools/bench_attention.py --shape ref-long --batch 16 --context 3840 \
     --cases off,int8-0.73,int8-half,int8 $extra --json $R/attn-$name.json > $R/attn-$name.log 2>&1
-  echo "$name: $(grep -E '^(off|int8[a-z0-9.-]*): planned' $R/attn-$name.log | sed 's/ (.*GB\/s); best/ best/' | paste -sd' ')"
+  echo "$name: $(grep -E '^(off|int8[a-z0-9.-]*): planned' $R/attn-$name.log | sed 's/ (.*GB\/s); best/ best/' | paste -sd' ') at ${SECONDS}s"
   grep -oE '"case": "int8-0.73", "splits": [0-9]+, "config": [^,]*(, [0-9]+)*\]?, "us": [0-9.]+' $R/attn-$name.log | paste -sd' '
+  pack
 }
 attn default --splits=24 O3EDGE_NOTHING=1
-attn joined11 --splits=24 O3EDGE_ROUTER_JOINED=1
 attn joined23 --splits=24 O3EDGE_ROUTER_JOINED=2,3
-attn joined11-ctile64 --configs=[[64,64,4,2]] O3EDGE_ROUTER_JOINED=1
 attn joined11-nreg80 --splits=24 O3EDGE_ROUTER_JOINED=1 O3EDGE_ROUTER_MAXNREG=80
+attn joined11 --splits=24 O3EDGE_ROUTER_JOINED=1
+attn joined11-ctile64 --configs=[[64,64,4,2]] O3EDGE_ROUTER_JOINED=1
 attn joined23-nreg80 --splits=24 O3EDGE_ROUTER_JOINED=2,3 O3EDGE_ROUTER_MAXNREG=80
-pack
 run() {  # name, then environment assignments
   name=$1; shift
   [ $SECONDS -gt $((LIMIT * 7 / 10)) ] && { echo "skip $name at ${SECONDS}s"; return; }
