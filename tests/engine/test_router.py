@@ -621,6 +621,19 @@ def router_meta(rows, max_blocks, scratch_slot, bs):
     return meta
 
 
+def router_pools(seed, nblocks, mode, device, dtype, KVH=2, hd=64, bs=8):
+    """A seeded layer for the router kernel's tests: full-precision K/V [2, (nblocks + 1) * bs, KVH, hd] (the
+    last block the scratch), ten blocks' codes and scales of random vectors (INT4: rotated), the rotation,
+    and rotate-half RoPE tables of 256 positions: (kv, rot, codes, scales, cos, sin)."""
+    torch.manual_seed(seed)
+    kv = (torch.randn(2, (nblocks + 1) * bs, KVH, hd) * 2).to(device, dtype)
+    rot = hadamard(hd, device=device) if mode == "int4" else None
+    codes, scales = quantize(torch.randn(2, 10 * bs, KVH, hd, device=device) * 2, mode, rot)
+    freqs = torch.arange(256)[:, None] / 10000 ** (torch.arange(0, hd, 2) / hd)
+    return kv, rot, codes, scales, torch.cat((freqs, freqs), -1).cos().to(device), \
+        torch.cat((freqs, freqs), -1).sin().to(device)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # half: the tensor-core path, 64 keys a tile
@@ -634,14 +647,8 @@ def test_router_decode_kernel_matches_dequantize_then_attend(mode, splits, dtype
     monkeypatch.setenv("O3EDGE_ROUTER_F16", "0" if fast in ("0", "1") else "1")
     monkeypatch.setenv("O3EDGE_ROUTER_HALVES", "1" if fast == "halves" else "0")
 
-    torch.manual_seed(8)
     H, KVH, hd, bs, nblocks, mb = 6, 2, 64, 8, 12, 8
-    kv = (torch.randn(2, (nblocks + 1) * bs, KVH, hd) * 2).to(device, dtype)
-    rot = hadamard(hd, device=device) if mode == "int4" else None
-    comp_src = torch.randn(2, 10 * bs, KVH, hd, device=device) * 2
-    codes, scales = quantize(comp_src, mode, rot)
-    freqs = torch.arange(256)[:, None] / 10000 ** (torch.arange(0, hd, 2) / hd)  # rotate-half RoPE tables
-    cos, sin = torch.cat((freqs, freqs), -1).cos().to(device), torch.cat((freqs, freqs), -1).sin().to(device)
+    kv, rot, codes, scales, cos, sin = router_pools(8, nblocks, mode, device, dtype)
     rows = [(1, 37, [0, 3, 5], [2, 7, 9]),  # 13 full keys, then 3 compressed blocks (24 keys)
             (2, 5, [4], []),  # no compressed block
             (3, 40, [6], [0, 1, 3, 4, 5]),  # nothing full before the new token
@@ -672,13 +679,8 @@ def test_router_decode_kernel_joined_splits_attend_every_key_once(mode, splits, 
     from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
 
     monkeypatch.setenv("O3EDGE_ROUTER_JOINED", weights)
-    torch.manual_seed(10)
     H, KVH, hd, bs, nblocks, mb = 4, 2, 64, 8, 16, 8
-    kv = (torch.randn(2, (nblocks + 1) * bs, KVH, hd) * 2).to(device, dtype)
-    rot = hadamard(hd, device=device) if mode == "int4" else None
-    codes, scales = quantize(torch.randn(2, 10 * bs, KVH, hd, device=device) * 2, mode, rot)
-    freqs = torch.arange(256)[:, None] / 10000 ** (torch.arange(0, hd, 2) / hd)
-    cos, sin = torch.cat((freqs, freqs), -1).cos().to(device), torch.cat((freqs, freqs), -1).sin().to(device)
+    kv, rot, codes, scales, cos, sin = router_pools(10, nblocks, mode, device, dtype)
     rows = [(1, 61, [0, 3, 5, 11, 14], [2, 7, 9]),  # 37 full keys (3 tiles), 3 compressed blocks (2 tiles)
             (2, 5, [4], []),  # one full tile, nothing compressed
             (3, 40, [6], [0, 1, 3, 4, 5]),  # nothing full before the new token, 3 compressed tiles
@@ -751,13 +753,8 @@ def test_router_decode_kernel_observes_the_probabilities_it_attends_with(mode, d
     split (a second pass over the keys) and in three (scores stored, observed after the splits)."""
     from o3edge.engine.kernels.quant_attention import router_decode_attention, router_decode_reference
 
-    torch.manual_seed(9)
     H, KVH, hd, bs, nblocks, mb = 6, 2, 64, 8, 12, 8
-    kv = (torch.randn(2, (nblocks + 1) * bs, KVH, hd) * 2).to(device, dtype)
-    rot = hadamard(hd, device=device) if mode == "int4" else None
-    codes, scales = quantize(torch.randn(2, 10 * bs, KVH, hd, device=device) * 2, mode, rot)
-    freqs = torch.arange(256)[:, None] / 10000 ** (torch.arange(0, hd, 2) / hd)
-    cos, sin = torch.cat((freqs, freqs), -1).cos().to(device), torch.cat((freqs, freqs), -1).sin().to(device)
+    kv, rot, codes, scales, cos, sin = router_pools(9, nblocks, mode, device, dtype)
     rows = [(1, 37, [0, 3, 5], [2, 7, 9]), (2, 5, [4], []), (3, 40, [6], [0, 1, 3, 4, 5])]
     meta = router_meta(rows, mb, nblocks * bs, bs).to(device)
     P = mb * bs
