@@ -11,7 +11,7 @@ over the decode, and with --profile the functions that take it (py-spy's raw sta
 installed, are better: cProfile slows small functions most).
 
   python tools/bench_host_step.py [--setting off|router-int8|...] [--batch 16] [--context 3072] [--steps 512]
-                                  [--repeat 3] [--profile] [--window-detok] [--refresh-steps N]
+                                  [--repeat 3] [--profile] [--parts] [--window-detok] [--refresh-steps N]
                                   [--clock wall|thread] [--real-moves]
 
 Each run also reports the median host step by kind: the router's refresh steps, the steps after them
@@ -31,6 +31,10 @@ data goes through a stand-in for the router's MoveGraph (the GPU path's host wor
 buffer), not the CPU's quantization (--real-moves: quantized on this CPU). The stubs' own time and the
 refresh's device work (router_graph.py's route, one graph replay on CUDA) are timed apart and taken off each
 step's: the figures are the host's part alone.
+
+--parts adds, by kind of step, the median time of each of the engine's host functions named in PARTS (inclusive:
+a function called inside another counts in both; the stubbed device work inside them is not taken off, and is
+reported as `stubbed device`), so that a refresh cycle's extra host work can be laid at its parts without a GPU.
 """
 
 from __future__ import annotations
@@ -60,6 +64,38 @@ TOKEN = 300  # the token every stubbed step returns: an ordinary one (a special 
 # the stubs' observed attention: U^PEAK (U uniform), heavy-tailed; a decoding query's with RECENT of it on its last 128
 # keys, scaled by WEIGHT. Chosen so that the routing works as much as on the H200 (the module's docstring)
 PEAK, RECENT, WEIGHT = 60, 0.5, 18.0
+
+
+# --parts: the host functions timed by kind of step, (module, class, methods)
+PARTS = [("o3edge.engine.cuda_graph", "DecodeGraphs", ["run"]),
+         ("o3edge.engine.router_graph", "RouterDecodeGraphs", ["fill_meta", "_launch", "_continues", "_ran", "_taken",
+                                                                "_observe_and_route"]),
+         ("o3edge.engine.router", "KVRouter", ["end_step", "make_due", "flush_moves", "prepare_routing", "entry_rows"]),
+         ("o3edge.engine.router_blocks", "RouterBlocks", ["carry_out"]),
+         ("o3edge.engine.scheduler", "Scheduler", ["schedule"])]
+
+
+def timed_parts(spent: dict) -> None:
+    """Wrap each PARTS method so that its time (CLOCK) adds up in spent["Class.method"] (the classes' own
+    definitions: a method a subclass does not define is timed where it is defined)."""
+    import functools
+    import importlib
+
+    def timed(f, key):
+        @functools.wraps(f)
+        def call(*args, **kwargs):
+            t = CLOCK()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[key] = spent.get(key, 0.0) + CLOCK() - t
+        return call
+
+    for module, name, methods in PARTS:
+        cls = getattr(importlib.import_module(module), name)
+        for method in methods:
+            if method in cls.__dict__:
+                setattr(cls, method, timed(cls.__dict__[method], f"{name}.{method}"))
 
 
 def attention(n: int, gen: torch.Generator, dtype=torch.float64) -> torch.Tensor:
@@ -150,23 +186,29 @@ def engine_with_stubs(a):
     return eng, prompts
 
 
-def run_once(a, profile: cProfile.Profile | None) -> dict:
+def run_once(a, profile: cProfile.Profile | None, spent: dict | None = None) -> dict:
+    """One decode of the stubbed engine; spent (with --parts: timed_parts's totals, emptied before each step)
+    adds each kind of step's median time by part."""
     eng, prompts = engine_with_stubs(a)
     for i, ids in enumerate(prompts):
         eng.add_request(str(i), ids, SamplingParams(max_new_tokens=a.steps, ignore_eos=True))
     while bench_router.prefilling(eng):
         eng.step()  # the prompts (stubbed: no attention computed)
-    walls, kinds, router, kind = [], {}, eng.runner.router, None
+    walls, kinds, router, kind, parts = [], {}, eng.runner.router, None, {}
     demoted_before = eng.blocks.num_demoted if router is not None else 0
     share = router.stats(eng.blocks)["kv_tokens_compressed_share"] if router is not None else 0.0
     if profile is not None:
         profile.enable()
     while eng.has_unfinished_requests():
         kind = bench_router.step_kind(router, kind)
+        if spent is not None:
+            spent.clear()
         t, stubbed = CLOCK(), eng.device_time[0]
         eng.step()
         walls.append((CLOCK() - t - (eng.device_time[0] - stubbed)) * 1e3)  # the host's part alone
         kinds.setdefault(kind, []).append(walls[-1])
+        if spent is not None:
+            parts.setdefault(kind, []).append(dict(spent, **{"stubbed device": eng.device_time[0] - stubbed}))
     if profile is not None:
         profile.disable()
     walls.sort()
@@ -175,12 +217,17 @@ def run_once(a, profile: cProfile.Profile | None) -> dict:
     ordinary = statistics.median(kinds["other"]) if kinds.get("other") else 0.0
     # a refresh cycle's host work above as many ordinary steps: the refresh, the step after it, the demoting one
     extra = sum(sum(w) - len(w) * ordinary for k, w in kinds.items() if k != "other")
-    return {"steps": len(walls), "compressed_after_prompts": round(share, 3),
+    out = {"steps": len(walls), "compressed_after_prompts": round(share, 3),
             "cycle_extra_ms": round(extra / refreshes, 4) if refreshes else 0.0,
             "demoted_per_refresh": round(demoted / refreshes, 1) if refreshes else 0, "median_ms": round(statistics.median(walls), 4),
             "p90_ms": round(walls[int(0.9 * len(walls))], 4), "mean_ms": round(statistics.fmean(walls), 4),
             "launched_ahead": eng.runner.graphs.num_ahead_taken,
             "by_kind": bench_router.by_kind(kinds)}
+    if spent is not None:  # each part's median ms by kind of step (0 in a step that did not call it)
+        out["parts_by_kind"] = {k: {key: round(statistics.median(step.get(key, 0.0) for step in steps) * 1e3, 4)
+                                    for key in sorted({key for step in steps for key in step})}
+                                for k, steps in parts.items()}
+    return out
 
 
 def main() -> None:
@@ -191,6 +238,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile the decode steps of the last repeat")
+    ap.add_argument("--parts", action="store_true",
+                    help="each kind of step's median time in the host functions named in PARTS")
     ap.add_argument("--window-detok", action="store_true",
                     help="detokenize by two window decodes a token (tokenizers < 0.21's way), not DecodeStream")
     ap.add_argument("--refresh-steps", type=int, default=0,
@@ -212,10 +261,12 @@ def main() -> None:
     CLOCK = time.thread_time if a.clock == "thread" else time.perf_counter
     a.shape, a.model = "model", None  # the built-in long-context reference model (decode_checkpoint)
     torch.set_num_threads(1)
-    runs = []
+    runs, spent = [], ({} if a.parts else None)
+    if spent is not None:
+        timed_parts(spent)
     for i in range(a.repeat):
         prof = cProfile.Profile() if a.profile and i == a.repeat - 1 else None
-        runs.append(run_once(a, prof))
+        runs.append(run_once(a, prof, spent))
         print(f"{a.setting}: {runs[-1]}", flush=True)
         if prof is not None:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
