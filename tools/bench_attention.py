@@ -9,8 +9,7 @@ Cases: `off` (kernels/decode_attention.py over bf16 K/V), `int8` and `int4` (ker
 with every sealed block compressed, as uniform INT8/INT4 KV), `int8-half` (half the blocks compressed,
 as the router with half its tokens salient; `int8-0.73`: that share, as the trained model's at 16 x 3,840),
 `int8-none` (the router's kernel with nothing compressed, as on random weights or early in a sequence: the
-same bytes as `off`). Block tables are shuffled as a
-long-running pool's are.
+same bytes as `off`). Block tables are shuffled as a long-running pool's are.
 Each case is timed as a CUDA graph of 50 calls replayed 10 times (µs a call, median of 5 replays), and
 its bytes (K/V read, codes and scales) over that time give GB/s. Without --grid, each case runs at
 the engine's planned tiling and splits (cuda_graph.attention_splits: eight programs per SM for the
