@@ -367,33 +367,18 @@ def _observe_scores_kernel(scores_ptr, part_lse_ptr, meta_ptr, stride_meta, mass
 
 
 @triton.jit
-def _joined_cuts(n_full, n_comp, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-                 WF: tl.constexpr, WC: tl.constexpr):
+def joined_ranges(n_full, n_comp, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                  WF: tl.constexpr, WC: tl.constexpr):
     """A key split's share of a row's tiles, both pools in a row: the full-precision pool's tiles of BLOCK_N
     keys (tf of them, WF a tile), then the compressed pool's of NB blocks (WC a tile), the whole cost cut
-    into NUM_SPLITS equal runs; a tile belongs to the run its cost starts in. (the run's costs [c0, c1), tf)."""
+    into NUM_SPLITS equal runs [c0, c1); a tile belongs to the run its cost starts in. ([start, end) of the
+    n_full full-precision keys, [j_start, j_end) of the n_comp compressed blocks; empty: end <= start.)"""
     tf = tl.cdiv(n_full, BLOCK_N)
     per = tl.cdiv(tf * WF + tl.cdiv(n_comp, NB) * WC, NUM_SPLITS)
-    return split * per, (split + 1) * per, tf
-
-
-@triton.jit
-def joined_full_range(n_full, n_comp, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-                      WF: tl.constexpr, WC: tl.constexpr):
-    """[start, end) of the n_full full-precision keys in a split's joined share (_joined_cuts; empty: end <=
-    start)."""
-    c0, c1, tf = _joined_cuts(n_full, n_comp, split, NUM_SPLITS, BLOCK_N, NB, WF, WC)
+    c0, c1 = split * per, (split + 1) * per
     return (tl.minimum(tl.cdiv(c0, WF), tf) * BLOCK_N,
-            tl.minimum(tl.minimum(tl.cdiv(c1, WF), tf) * BLOCK_N, n_full))
-
-
-@triton.jit
-def joined_comp_range(n_full, n_comp, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-                      WF: tl.constexpr, WC: tl.constexpr):
-    """[start, end) of the n_comp compressed blocks in a split's joined share (_joined_cuts; empty: end <=
-    start)."""
-    c0, c1, tf = _joined_cuts(n_full, n_comp, split, NUM_SPLITS, BLOCK_N, NB, WF, WC)
-    return (tl.cdiv(tl.maximum(c0 - tf * WF, 0), WC) * NB,
+            tl.minimum(tl.minimum(tl.cdiv(c1, WF), tf) * BLOCK_N, n_full),
+            tl.cdiv(tl.maximum(c0 - tf * WF, 0), WC) * NB,
             tl.minimum(tl.cdiv(tl.maximum(c1 - tf * WF, 0), WC) * NB, n_comp))
 
 
@@ -423,11 +408,16 @@ def _router_decode_kernel(
                                      stride_slot, kvh, split, d, g, g_mask, qn_ptr, kn_ptr, eps, H, KVH, G, HD,
                                      QK_NORM, PDL, dtype)
 
-    # the full-precision keys: this split's chunk of the compacted table (joined_splits: of both pools' tiles)
+    # this split's chunk of the compacted full-precision table and its share of the compressed blocks
+    # (joined_splits: both from one run of the two pools' tiles)
     if JOIN_FULL > 0:
-        start, end = joined_full_range(n_full, n_comp, split, NUM_SPLITS, BLOCK_N, NB, JOIN_FULL, JOIN_COMP)
+        start, end, j_start, j_end = joined_ranges(n_full, n_comp, split, NUM_SPLITS, BLOCK_N, NB, JOIN_FULL,
+                                                   JOIN_COMP)
     else:
         start, end = split_range(n_full, split, NUM_SPLITS, BLOCK_N)
+        per = tl.cdiv(n_comp, NUM_SPLITS)
+        j_start = split * per
+        j_end = tl.minimum(j_start + per, n_comp)
     m, l_sum, acc = softmax_init(G_PAD, HD_PAD)
     # SCORES (an observing step in key splits): each key's scaled score by head, for _observe_scores_kernel
     score_row = scores_ptr + (b * H + kvh * G).to(tl.int64) * 2 * MASS_P
@@ -442,12 +432,6 @@ def _router_decode_kernel(
             store_scores(score_row, n_full + one, one < 1, s_self[:, None], g, g_mask, 2 * MASS_P)
 
     # the compressed blocks: this split's share of them (INT4: the query in the rotated basis)
-    if JOIN_FULL > 0:
-        j_start, j_end = joined_comp_range(n_full, n_comp, split, NUM_SPLITS, BLOCK_N, NB, JOIN_FULL, JOIN_COMP)
-    else:
-        per = tl.cdiv(n_comp, NUM_SPLITS)
-        j_start = split * per
-        j_end = tl.minimum(j_start + per, n_comp)
     n_mine = tl.maximum(j_end - j_start, 0)  # compressed blocks this program attends to
     qf = _rotated(q.to(tl.float32), rot_ptr, d, n_mine, HD, BITS, FAST)
     c_scale = sm_scale  # the compressed pool's score scale
@@ -555,8 +539,8 @@ def joined_splits() -> tuple[int, int]:
         return 0, 0
     if text == "1":
         return 1, 1
-    wf, wc = (int(x) for x in text.split(","))
-    return wf, wc
+    wf, wc = text.split(",")
+    return int(wf), int(wc)
 
 
 def register_cap(observe: bool) -> dict:
