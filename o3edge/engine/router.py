@@ -203,9 +203,8 @@ class SaliencyBooks:
         self.free = list(range(rows - 1, -1, -1))
 
     def _tables(self, rows: int) -> None:
-        # mass is a view of `flat`, whose one extra element takes the additions of scatters' unused lanes
-        self.flat = torch.zeros(rows * self.max_len + 1, dtype=torch.float64, device=self.device)
-        self.mass = self.flat[:-1].view(rows, self.max_len)
+        self.flat = torch.zeros(rows * self.max_len, dtype=torch.float64, device=self.device)
+        self.mass = self.flat.view(rows, self.max_len)  # `flat`'s rows: a scatter adds to every row at once
         self.count = torch.zeros_like(self.mass)
         self.generation += 1
 
@@ -221,11 +220,6 @@ class SaliencyBooks:
         """Tables of at least `rows` rows now (a graph that reads them is captured once, not after growth)."""
         while self.mass.shape[0] < rows:
             self._grow()
-
-    @property
-    def dump(self) -> int:
-        """The index in `flat` of the element that takes what a scatter does not keep."""
-        return self.flat.numel() - 1
 
     def row(self, seq_id: int) -> int:
         """seq_id's row, taken (zeroed) when it has none."""
@@ -862,10 +856,16 @@ class KVRouter:
         tables, num_keys = meta[:, :2 * W].reshape(n, 2, W), meta[:, 2 * W:2 * W + 2]
         book_rows, ends = meta[:, -2], meta[:, -1]
         keys = (tables[..., None] * bs + torch.arange(bs, device=dev)).view(n, 2, P)  # each key's position
-        valid = torch.arange(P, device=dev) < num_keys[..., None]  # full keys: the new token's too
-        dest = torch.where(valid, book_rows[:, None, None] * L + keys, self.books.dump)
+        lane = torch.arange(P, device=dev)
+        valid = lane < num_keys[..., None]  # full keys: the new token's too
+        # a lane past a pool's keys adds 0 at its own place in the row (lane % L), not at one shared element: the
+        # ~4,400 unused lanes a row of the built-in long model had at 16 x 3,840 (73% compressed) all adding into
+        # one element made this scatter's atomics queue there, 0.13 ms of a refresh's device time on the H100
+        # (tools/profile_router_step.py --trace, docs/results/gpu-2026-12-05d/call2/)
+        dest = book_rows[:, None, None] * L + torch.where(valid, keys, lane % L)
         # mass [n, KVH, 2, P] summed over the KV heads lines up with dest [n, 2, P]: one scatter, no sync
-        self.books.flat.index_add_(0, dest.view(-1), mass.sum(1).reshape(-1).double())
+        add = mass.sum(1).double().masked_fill_(~valid, 0.0)
+        self.books.flat.index_add_(0, dest.view(-1), add.view(-1))
         seen = torch.arange(L, device=dev)[None, :] < ends[:, None]  # one observer sees up to its own position
         self.books.count.index_add_(0, book_rows, seen.double())
 
