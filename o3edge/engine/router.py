@@ -201,16 +201,6 @@ class SaliencyBooks:
         self._tables(rows)
         self.rows: dict[int, int] = {}  # seq_id -> row
         self.free = list(range(rows - 1, -1, -1))
-        # an event: a refresh's route graph, adding to the books on its own stream (router_graph.py), not yet waited
-        # for by the step's stream; whatever touches the books there waits for it first (settle)
-        self.in_flight = None
-
-    def settle(self) -> None:
-        """The current stream waits (on the device, the host does not) for the books' work queued on another
-        stream: called before a step is launched and before the books are read or written on the step's stream."""
-        if self.in_flight is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.in_flight)
-            self.in_flight = None
 
     def _tables(self, rows: int) -> None:
         self.flat = torch.zeros(rows * self.max_len, dtype=torch.float64, device=self.device)
@@ -221,7 +211,6 @@ class SaliencyBooks:
     @torch.inference_mode()  # the table may have been made in a step's inference mode
     def _grow(self) -> None:
         """Double the tables, every row keeping its books."""
-        self.settle()
         n, mass, count = self.mass.shape[0], self.mass, self.count
         self._tables(2 * n)
         self.mass[:n], self.count[:n] = mass, count
@@ -245,14 +234,12 @@ class SaliencyBooks:
     def release(self, seq_id: int) -> None:
         r = self.rows.pop(seq_id, None)
         if r is not None:
-            self.settle()
             self.mass[r].zero_()
             self.count[r].zero_()
             self.free.append(r)
 
     def saliency(self, rows: list[int], ctxs: list[int]) -> torch.Tensor:
         """[len(rows), max(ctxs)] saliency = mass / observers of each row's positions below its ctx (0 past it)."""
-        self.settle()
         index, ends = on_device(torch.tensor([rows, ctxs]), self.device)
         return self.saliency_of(index, ends, max(ctxs))
 
@@ -483,7 +470,6 @@ class KVRouter:
         """The per-sequence key split and observation plan of a step over batch [(seq, n)]. Every index the
         step's attention reads goes to the device in one copy (it was five copies a sequence)."""
         self.flush_moves()
-        self.books.settle()
         bs, nf, host, plans = self.block_size, self.num_full_blocks, [], []
         for seq, n in batch:
             start = seq.num_computed_tokens
@@ -810,7 +796,6 @@ class KVRouter:
         mass [len(rows), KVH, 2, P] the step's probabilities by KV head (kernels/quant_attention.py
         router_decode_attention: full-precision keys in compacted order, then compressed ones), summed
         over the layers. The same books as `_observe` keeps for the eager step, in one scatter."""
-        self.books.settle()
         entries = np.zeros((len(rows), mass.shape[-1] // self.block_size + 3), dtype=np.int64)
         self.entry_rows(rows, entries)
         meta = self.observation_of(on_device(torch.from_numpy(entries), self.device))  # one copy

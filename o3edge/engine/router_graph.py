@@ -26,14 +26,11 @@ Steps are launched ahead as on the plain graph path (cuda_graph.py: the host's w
 under the GPU's for step n+1), observing steps and the steps after a refresh included: an observing
 step's books are added when it is taken (a dropped one adds nothing), once the step after it is queued,
 and the saliency the routing reads is started behind that step and read at its end (router.py), so no
-step waits for it. With O3EDGE_ROUTER_ROUTE_STREAM=1 (a measurement switch, off by default) that work (the
-route graph) replays on a stream of its own, beside the step queued after the observing one rather than
-between it and the next (RouterDecodeGraphs.route_stream). A
-refresh's demotions are due from the step after that (KVRouter.make_due), and take effect from the step
-after the one that carries them out, as on the eager path; on this path they are carried out before the
-next step is queued (RouterDecodeGraphs._continues; the eager path does them at the step's end), so every
-decode step but the first is queued. Blocks demoted since the last step get their codes
-(KVRouter.flush_moves) before a step is launched.
+step waits for it. A refresh's demotions are due from the step after that (KVRouter.make_due), and
+take effect from the step after the one that carries them out, as on the eager path; on this path they
+are carried out before the next step is queued (RouterDecodeGraphs._continues; the eager path does them
+at the step's end), so every decode step but the first is queued. Blocks demoted since the last step
+get their codes (KVRouter.flush_moves) before a step is launched.
 """
 
 from __future__ import annotations
@@ -86,15 +83,6 @@ class RouterDecodeGraphs(DecodeGraphs):
         self.routes = self.mass is not None and runner.router.cfg.select == "tokens"
         self.route_graphs: dict = {}  # (bucket, parity) -> (graph,)
         self.route_generation = None  # the books' generation the route graphs were captured on
-        # the route graphs replay on a stream of their own, from the observing step's copy of its probabilities,
-        # so that they run beside the step queued after it rather than between that step and the next (on the
-        # H100 a refresh's route graph spanned 0.28 ms of the step stream: docs/benchmarks.md); the books are
-        # settled (SaliencyBooks.settle) before the next step and before anything else touches them on the step's
-        # stream. Off until measured: O3EDGE_ROUTER_ROUTE_STREAM=1 turns it on
-        self.route_stream = torch.cuda.Stream(runner.device) if (
-            self.routes and capture and runner.device.type == "cuda"
-            and os.environ.get("O3EDGE_ROUTER_ROUTE_STREAM") == "1") else None
-        self.taken_ready = None  # an event: the observing step's probabilities copied (mass_taken)
         self.num_routes = 0
         if self.routes:
             B, dev, pinned = self.batch_buckets[-1], runner.device, runner.device.type == "cuda"
@@ -179,15 +167,9 @@ class RouterDecodeGraphs(DecodeGraphs):
         entries[n:B] = 0
         done = None
         if self.capture:
-            stream = self.route_stream or torch.cuda.current_stream(self.device_index)
-            if self.route_stream is not None:
-                stream.wait_event(self.taken_ready)
-            with torch.cuda.stream(stream):
-                self.route_graphs[(B, parity)][0].replay()
+            self.route_graphs[(B, parity)][0].replay()
             done = torch.cuda.Event()
-            done.record(stream)
-            if self.route_stream is not None:
-                router.books.in_flight = done
+            done.record(torch.cuda.current_stream(self.device_index))
         else:
             self._route((B, parity))
         router.prepared = ([(seq.seq_id, seq.num_computed_tokens + 1) for seq, _ in batch],
@@ -216,7 +198,6 @@ class RouterDecodeGraphs(DecodeGraphs):
 
     def _launch(self, batch, B: int, ahead: int = 0, rows=()):
         self.runner.router.flush_moves()  # blocks demoted since the last step: their codes first
-        self.runner.router.books.settle()  # a refresh's route graph on its own stream: done before this step
         out = super()._launch(batch, B, ahead, rows)
         self.observed[ahead] = self.rows
         return out
@@ -238,12 +219,8 @@ class RouterDecodeGraphs(DecodeGraphs):
         if observed is not None:
             mass = self.mass[:len(observed)]
             if index is None and self.routes:  # the whole step: routed in one graph (_observe_and_route)
-                self.runner.router.books.settle()  # the route graph before (refresh every step) has read it
                 self.mass_taken[:len(observed)].copy_(mass)
                 self.taken = (observed, None)
-                if self.route_stream is not None:  # where the route graph's stream starts: before the next step
-                    self.taken_ready = torch.cuda.Event()
-                    self.taken_ready.record(torch.cuda.current_stream(self.device_index))
                 return
             if index is not None:
                 observed, mass = [observed[i] for i in rows], mass.index_select(0, index)

@@ -212,30 +212,6 @@ def test_router_decode_in_cuda_graphs_matches_eager(tiny_dir, mode, observe_spli
     assert outs[0] == outs[1]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("refresh", [1, 3])
-def test_refreshes_routed_on_their_own_stream_demote_what_the_step_stream_does(tiny_dir, refresh, monkeypatch):
-    """With O3EDGE_ROUTER_ROUTE_STREAM=1 a refresh's route graph replays on a stream of its own, beside the step
-    queued after the observing one (RouterDecodeGraphs.route_stream), the books settled before the next step: the
-    same tokens and the same demotions after every step as with it on the step's stream (the default), refreshing every
-    step (each observing step's copy of its probabilities then follows the route graph that read the last one) or
-    every 3, with sequences ending between refreshes."""
-    routed = {**ROUTED, "router_threshold": 0.5, "router_refresh_steps": refresh}
-    runs = []
-    for stream in ("1", "0"):
-        monkeypatch.setenv("O3EDGE_ROUTER_ROUTE_STREAM", stream)
-        m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cuda", dtype="float32", kv_router="int8",
-                                         router_cuda_graphs=True, **routed))
-        eng, runner = m.engine, m.engine.runner
-        for i, n in enumerate((24, 13, 19)):
-            eng.add_request(str(i), eng.encode(PROMPT + f"What is module {i}?"),
-                            SamplingParams(max_new_tokens=n, ignore_eos=True))
-        runs.append(run_to_end(eng))
-        assert (runner.graphs.route_stream is not None) == (stream == "1")
-        assert runner.graphs.num_routes >= 18 // refresh  # the refreshes went through the route graphs
-    assert runs[0] == runs[1] and runs[0][1][-1] > 0
-
-
 def test_step_metadata_follows_the_block_tables_it_was_made_from(tiny_dir):
     """A sequence's metadata row is made again when its table changes (fill_meta keeps the rows of
     unchanged tables): after a demotion and after a new block, the row holds the tables as they are

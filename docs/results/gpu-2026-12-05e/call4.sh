@@ -1,7 +1,8 @@
 # call 4 (2026-12-05, twenty-second session): the route graph on a stream of its own (RouterDecodeGraphs.route_stream)
-# (O3EDGE_ROUTER_ROUTE_STREAM=1) against the step's stream (the default): the router graph's GPU tests, then whole decode on the
-# trained model at 16 x 3,840 (router INT8 against full precision in the same process, one round a process,
-# alternating), then a trace of the router's steps with the stream. Everything goes into one archive.
+# (O3EDGE_ROUTER_ROUTE_STREAM=1, 261452e; reverted after this call and call 5) against the step's stream: the router
+# graph's GPU tests, then whole decode on the trained model at 16 x 3,840 (router INT8 against full precision in the
+# same process, one round a process, alternating), then a trace of the router's steps with the stream. Everything goes
+# into one archive.
 LIMIT=${CALL_LIMIT_S:-400}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
