@@ -105,16 +105,23 @@ def test_graph_refresh_step_observes_what_the_eager_step_observes(tiny_dir, mode
     assert compared >= 4 and with_compressed  # both pools were observed
 
 
-def test_a_refresh_routed_in_one_graph_demotes_what_the_operations_one_by_one_do(tiny_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_refresh_routed_in_one_graph_demotes_what_the_operations_one_by_one_do(tiny_dir, device):
     """A refresh step's books and saliency read run as one graph a bucket (_observe_and_route) instead of
     observed_in_graph and prepare_routing launched one by one: the same blocks are demoted at the same
-    steps, so the same tokens come out, and sequences that end between refreshes change nothing."""
+    steps, so the same tokens come out, and sequences that end between refreshes change nothing. (On CUDA:
+    the engine's captured graphs, the route graphs replayed; each key's place in the books takes one addition
+    a refresh, so the books are the same bits either way.)"""
     routed = {**ROUTED, "router_threshold": 0.5, "router_refresh_steps": 3}
+    if device == "cuda":
+        routed.update(dtype="float32", router_cuda_graphs=True)
     runs = []
     for routes in (False, True):
-        m = O3Model.from_config(O3Config(model_path=tiny_dir, device="cpu", kv_router="int8", **routed))
+        m = O3Model.from_config(O3Config(model_path=tiny_dir, device=device, kv_router="int8", **routed))
         runner = m.engine.runner
-        runner.graphs = RouterDecodeGraphs(runner, 4, capture=False)
+        if device == "cpu":
+            runner.graphs = RouterDecodeGraphs(runner, 4, capture=False)
+        assert runner.graphs.routes  # (made so: a refresh routed in one graph is the default)
         runner.graphs.routes = routes
         demoted = []
         m.engine.blocks.demote_all = _counting(m.engine.blocks.demote_all, demoted)
