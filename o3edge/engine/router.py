@@ -203,8 +203,7 @@ class SaliencyBooks:
         self.free = list(range(rows - 1, -1, -1))
 
     def _tables(self, rows: int) -> None:
-        self.flat = torch.zeros(rows * self.max_len, dtype=torch.float64, device=self.device)
-        self.mass = self.flat.view(rows, self.max_len)  # `flat`'s rows: a scatter adds to every row at once
+        self.mass = torch.zeros(rows, self.max_len, dtype=torch.float64, device=self.device)
         self.count = torch.zeros_like(self.mass)
         self.generation += 1
 
@@ -865,7 +864,7 @@ class KVRouter:
         dest = book_rows[:, None, None] * L + torch.where(valid, keys, lane % L)
         # mass [n, KVH, 2, P] summed over the KV heads lines up with dest [n, 2, P]: one scatter, no sync
         add = mass.sum(1).double().masked_fill_(~valid, 0.0)
-        self.books.flat.index_add_(0, dest.view(-1), add.view(-1))
+        self.books.mass.view(-1).index_add_(0, dest.view(-1), add.view(-1))  # every row at once
         seen = torch.arange(L, device=dev)[None, :] < ends[:, None]  # one observer sees up to its own position
         self.books.count.index_add_(0, book_rows, seen.double())
 

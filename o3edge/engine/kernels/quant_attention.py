@@ -526,14 +526,15 @@ def joined_splits() -> tuple[int, int]:
     of both pools in a row (O3EDGE_ROUTER_JOINED=WF,WC; 1 for 1,1, a measurement switch). The full-precision
     pool's tiles of BLOCK_N keys, then the compressed pool's of NB blocks, weighted by those costs, are cut
     into equal runs, one a split, so that only the split where one pool ends and the other starts reads both.
-    Otherwise (the default until measured on the GPU) every split takes a share of each pool: two loops, each
-    with its own first load to wait for, and the compressed share counted in blocks, not tiles (at 11 blocks
-    a split and 8 a tile, a second tile three eighths full). On an H100 (call 1 of
+    Otherwise (the default) every split takes a share of each pool: two loops, each with its own first load
+    to wait for, and the compressed share counted in blocks, not tiles (at 11 blocks a split and 8 a tile, a
+    second tile three eighths full). On an H100 (call 1 of
     docs/results/gpu-2026-12-05d/, the trained model at 16 x 3,840, 73% of its keys compressed; graph replay,
     tools/bench_router.py --gpu --shape model) the router's step took 0.327 ms joined (1,1) against
     0.334-0.336, 0.325 with 64 compressed keys a tile; alone (tools/bench_attention.py --shape ref-long,
     call 2), half the blocks compressed, 15.3 us a layer against 12.5: a program's three 128-key compressed
-    tiles take longer than two full-precision tiles and one compressed."""
+    tiles take longer than two full-precision tiles and one compressed. Weighted (2,3) or at 80 registers it
+    gained nothing alone or in whole decode (docs/results/gpu-2026-12-05e/call1/), so it stays off."""
     text = os.environ.get("O3EDGE_ROUTER_JOINED", "0")
     if text in ("", "0"):
         return 0, 0
