@@ -694,6 +694,43 @@ def test_router_decode_kernel_joined_splits_attend_every_key_once(mode, splits, 
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("mode,fine", [("int8", None), ("int4", None), ("int8", "0")])
+def test_router_decode_kernel_in_many_splits_attends_every_key_once(mode, fine, monkeypatch, device="cpu",
+                                                                    dtype=torch.float16):
+    """A launch in FINE_SPLITS key splits at the planned tiling: INT8 and INT4 take 64-key compressed tiles and
+    their splits joined across the pools by default (fine_tiles), 128-key tiles
+    and a share of each pool a split with O3EDGE_ROUTER_FINE=0. Rows of a few keys leave most of the 16
+    splits nothing to read, one a pool's end and the other's start: the output still matches
+    dequantize-then-attend."""
+    from o3edge.engine.kernels.quant_attention import (FINE_SPLITS, fine_tiles, router_decode_attention,
+                                                       router_decode_reference)
+
+    if fine is not None:
+        monkeypatch.setenv("O3EDGE_ROUTER_FINE", fine)
+    assert fine_tiles(mode, FINE_SPLITS, False) == (fine != "0")
+    assert not fine_tiles(mode, FINE_SPLITS, True)  # observing launches keep their tiling
+    H, KVH, hd, bs, nblocks, mb = 4, 2, 64, 8, 24, 12
+    kv, rot, codes, scales, cos, sin = router_pools(10, nblocks, mode, device, dtype)
+    rows = [(1, 120, [0, 3, 5, 11, 13, 15], list(range(10))),  # 40 full keys; 10 compressed blocks: two tiles
+            (2, 5, [4], []),  # a few full keys, nothing compressed
+            (3, 40, [6, 7], [0, 1, 8, 9]),  # 8 full keys before the new token, one compressed tile
+            (4, 100, [12, 14, 16, 18, 20, 22, 1, 2, 8, 9, 10, 17], [6])]  # 92 full keys (two tiles), one block
+    meta = router_meta(rows, mb, nblocks * bs, bs).to(device)
+    qkv = torch.randn(len(rows), (H + 2 * KVH) * hd, device=device).to(dtype)
+    out = router_decode_attention(qkv, cos, sin, meta, kv[0].clone(), kv[1].clone(), codes, scales, rot, mode, H,
+                                  bs, FINE_SPLITS)
+    want = router_decode_reference(qkv, cos, sin, meta, kv[0].clone(), kv[1].clone(), codes, scales, rot, mode, H,
+                                   bs)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,fine", [("int8", None), ("int4", None), ("int8", "0")])
+def test_router_decode_kernel_in_many_splits_on_the_gpu(mode, fine, monkeypatch):
+    test_router_decode_kernel_in_many_splits_attends_every_key_once(mode, fine, monkeypatch, device="cuda",
+                                                                    dtype=torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("splits", [2, 3, 5])

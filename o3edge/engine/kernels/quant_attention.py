@@ -521,9 +521,10 @@ def halves_int4() -> bool:
     return os.environ.get("O3EDGE_ROUTER_HALVES", "1") != "0"
 
 
-def joined_splits() -> tuple[int, int]:
+def joined_splits(fine: bool = False) -> tuple[int, int]:
     """(a full-precision tile's cost, a compressed tile's), or (0, 0): whether a row's key splits share its tiles
-    of both pools in a row (O3EDGE_ROUTER_JOINED=WF,WC; 1 for 1,1, a measurement switch). The full-precision
+    of both pools in a row: (1, 1) with fine tiles (fine_tiles), else not; O3EDGE_ROUTER_JOINED=WF,WC (1 for
+    1,1; 0 for off) sets it for every launch (a measurement switch). The full-precision
     pool's tiles of BLOCK_N keys, then the compressed pool's of NB blocks, weighted by those costs, are cut
     into equal runs, one a split, so that only the split where one pool ends and the other starts reads both.
     Otherwise (the default) every split takes a share of each pool: two loops, each with its own first load
@@ -534,14 +535,38 @@ def joined_splits() -> tuple[int, int]:
     0.334-0.336, 0.325 with 64 compressed keys a tile; alone (tools/bench_attention.py --shape ref-long,
     call 2), half the blocks compressed, 15.3 us a layer against 12.5: a program's three 128-key compressed
     tiles take longer than two full-precision tiles and one compressed. Weighted (2,3) or at 80 registers it
-    gained nothing alone or in whole decode (docs/results/gpu-2026-12-05e/call1/), so it stays off."""
-    text = os.environ.get("O3EDGE_ROUTER_JOINED", "0")
+    gained nothing alone or in whole decode (docs/results/gpu-2026-12-05e/call1/); with 64-key compressed tiles
+    it did (fine_tiles)."""
+    text = os.environ.get("O3EDGE_ROUTER_JOINED", "1" if fine else "0")
     if text in ("", "0"):
         return 0, 0
     if text == "1":
         return 1, 1
     wf, wc = text.split(",")
     return int(wf), int(wc)
+
+
+FINE_SPLITS = 16  # key splits from which a row's share a program is a few tiles (fine_tiles)
+
+
+def fine_tiles(mode: str, num_splits: int, observe: bool) -> bool:
+    """Whether a decode launch (not an observing one) in FINE_SPLITS key splits or more takes compressed
+    tiles of 64 keys and its splits joined across the two pools (joined_splits), instead of 128-key tiles and
+    each split a share of each pool (O3EDGE_ROUTER_FINE=0 keeps those, 1 takes fine tiles at any split count).
+    Many splits leave each program a few hundred keys of a row: at the trained model's 16 x 3,840 (2 KV
+    heads, 16 splits, 73% of the blocks compressed) each program read up to two full-precision tiles and two
+    compressed ones (8 blocks and 3); joined 64-key tiles give every program about as many tiles as the
+    full-precision kernel's. On an H100 (tools/bench_attention.py --shape ref-long --batch 16 --context 3840
+    --cases off,int8-0.73,int4-0.73; docs/results/gpu-2026-12-05f/call4/ and call5/, two machines): INT8
+    15.62-15.74 -> 12.81-13.0 us a layer, INT4 15.9 -> 13.84 (full precision 13.1); the router's GPU step
+    (tools/bench_router.py --gpu --shape model) 0.333-0.334 -> 0.320-0.324 ms (full precision 0.300-0.306).
+    llama-1b at 2 x 4,096 (32 splits) is unchanged (INT8 10.88 -> 10.96). With few splits (llama-1b at
+    16 x 4,096: 4) each program walks a thousand keys and the longer tile wins (the comment in
+    router_decode_attention). mode is kept for a rule by storage type; both take fine tiles now."""
+    text = os.environ.get("O3EDGE_ROUTER_FINE")
+    if text in ("0", "1"):
+        return text == "1" and not observe
+    return mode in ("int8", "int4") and num_splits >= FINE_SPLITS and not observe
 
 
 def register_cap(observe: bool) -> dict:
@@ -600,11 +625,13 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     # compressed keys: 128 a tile (whole blocks) where the block size is a power of 2 up to 128, else one
     # block; on the H200 (llama-1b, 16 sequences at 4,096 tokens, 3 key splits) uniform INT8 took 71.5 us a
     # layer with 64 and 48.3 with 128, INT4 119.5 and 94.0 (tools/bench_attention.py --grid)
+    # (fine_tiles: 64 and the key splits joined across the pools where a row is cut into many splits)
     pow2 = block_size & (block_size - 1) == 0
-    block_n, ctile, warps, stages = config or tiling_override() or (key_tile(HD), 128, 4, 2)
+    fine = config is None and tiling_override() is None and fine_tiles(mode, num_splits, observe)
+    block_n, ctile, warps, stages = config or tiling_override() or (key_tile(HD), 64 if fine else 128, 4, 2)
     nb = max(1, ctile // block_size) if pow2 else 1
     cblock = max(16, triton.next_power_of_2(nb * block_size))
-    joined = joined_splits()
+    joined = joined_splits(fine)
     _router_decode_kernel[(B, KVH, num_splits)](
         qkv, qkv.stride(0), cos, sin, meta, meta.stride(0), max_blocks, k_cache, v_cache, k_cache.stride(0),
         codes[0], codes[1], scales[0], scales[1], codes.stride(1), codes.stride(2), scales.stride(1),
