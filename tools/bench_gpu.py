@@ -192,6 +192,11 @@ def parse_llamacpp(bench_log: str, energy_log: str | None) -> dict:
                 current = (m.group(1), int(m.group(2)), int(m.group(3)))
             elif line.startswith("== energy: load only"):
                 current = "load"
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if isinstance(current, tuple) and len(cells) >= 10 and cells[0].isdigit():
+                # the energy run's own batched-bench row: its decode speed, where no bench log gave one
+                out.setdefault(f"llama.cpp {current[0]}", {}).setdefault(f"b{current[1]}", {}).setdefault(
+                    "tok_s", float(cells[7]))
             m = re.search(r"ENERGY joules=([\d.]+)", line)
             if m and current == "load":
                 load_j = float(m.group(1))
@@ -328,6 +333,11 @@ def table(r, batches) -> str:
             ratios = [f"b={b} {r['systems'][ours][f'b{b}']['tok_s'] / r['systems'][peer][f'b{b}']['tok_s']:.2f}x"
                       for b in batches if f"b{b}" in r["systems"][peer]]
             lines.append(f"- {ours} / {peer}: " + ", ".join(ratios))
+            joules = [f"b={b} {r['systems'][ours][f'b{b}']['tok_j'] / r['systems'][peer][f'b{b}']['tok_j']:.2f}x"
+                      for b in batches if (r["systems"][peer].get(f"b{b}") or {}).get("tok_j")
+                      and (r["systems"][ours].get(f"b{b}") or {}).get("tok_j")]
+            if joules:
+                lines.append(f"- {ours} / {peer}, tokens per joule: " + ", ".join(joules))
         b1 = r["systems"][ours].get("b1")
         if b1:
             step = 1e3 / b1["tok_s"]
