@@ -6,15 +6,9 @@
 # 32 splits). And with PDL off the router's kernels in a step sum below full precision's (call 6), with PDL on its
 # graph replays 0.020-0.022 ms longer. So: (1) the kernels alone at more programs an SM (O3EDGE_ROUTER_PER_SM with
 # the cap that lets them fit), (2) the GPU step alone (graph replay) of both settings with PDL on and off, and with
-# the best-looking cap, (3) GPU tests of that cap. Everything goes into one archive.
-LIMIT=${CALL_LIMIT_S:-560}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-R=/tmp/r; mkdir -p $R
-cp docs/results/gpu-2026-12-05f/call7.sh $R/commands.sh
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > $R/machine.txt
-cat $R/machine.txt
-pack() { tar czf $OUT/call7.tgz -C $R .; }
+# the best-looking cap, (3) GPU tests of that cap. Everything goes into one archive
+# (tools/gpu_call.sh).
+NAME=call7 . tools/gpu_call.sh "$0"
 attn() {  # name, then environment assignments
   name=$1; shift
   [ $SECONDS -gt $((LIMIT - 45)) ] && { echo "skip attn $name at ${SECONDS}s"; return; }
