@@ -707,8 +707,8 @@ def test_router_decode_kernel_in_many_splits_attends_every_key_once(mode, fine, 
 
     if fine is not None:
         monkeypatch.setenv("O3EDGE_ROUTER_FINE", fine)
-    assert fine_tiles(mode, FINE_SPLITS, False) == (fine != "0")
-    assert not fine_tiles(mode, FINE_SPLITS, True)  # observing launches keep their tiling
+    assert fine_tiles(FINE_SPLITS, False) == (fine != "0")
+    assert not fine_tiles(FINE_SPLITS, True)  # observing launches keep their tiling
     H, KVH, hd, bs, nblocks, mb = 4, 2, 64, 8, 24, 12
     kv, rot, codes, scales, cos, sin = router_pools(10, nblocks, mode, device, dtype)
     rows = [(1, 120, [0, 3, 5, 11, 13, 15], list(range(10))),  # 40 full keys; 10 compressed blocks: two tiles

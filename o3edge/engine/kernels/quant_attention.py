@@ -549,7 +549,7 @@ def joined_splits(fine: bool = False) -> tuple[int, int]:
 FINE_SPLITS = 16  # key splits from which a row's share a program is a few tiles (fine_tiles)
 
 
-def fine_tiles(mode: str, num_splits: int, observe: bool) -> bool:
+def fine_tiles(num_splits: int, observe: bool) -> bool:
     """Whether a decode launch (not an observing one) in FINE_SPLITS key splits or more takes compressed
     tiles of 64 keys and its splits joined across the two pools (joined_splits), instead of 128-key tiles and
     each split a share of each pool (O3EDGE_ROUTER_FINE=0 keeps those, 1 takes fine tiles at any split count).
@@ -562,11 +562,11 @@ def fine_tiles(mode: str, num_splits: int, observe: bool) -> bool:
     (tools/bench_router.py --gpu --shape model) 0.333-0.334 -> 0.320-0.324 ms (full precision 0.300-0.306).
     llama-1b at 2 x 4,096 (32 splits) is unchanged (INT8 10.88 -> 10.96). With few splits (llama-1b at
     16 x 4,096: 4) each program walks a thousand keys and the longer tile wins (the comment in
-    router_decode_attention). mode is kept for a rule by storage type; both take fine tiles now."""
+    router_decode_attention). INT8 and INT4 alike."""
     text = os.environ.get("O3EDGE_ROUTER_FINE")
     if text in ("0", "1"):
         return text == "1" and not observe
-    return mode in ("int8", "int4") and num_splits >= FINE_SPLITS and not observe
+    return num_splits >= FINE_SPLITS and not observe
 
 
 def register_cap(observe: bool) -> dict:
@@ -627,7 +627,7 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     # layer with 64 and 48.3 with 128, INT4 119.5 and 94.0 (tools/bench_attention.py --grid)
     # (fine_tiles: 64 and the key splits joined across the pools where a row is cut into many splits)
     pow2 = block_size & (block_size - 1) == 0
-    fine = config is None and tiling_override() is None and fine_tiles(mode, num_splits, observe)
+    fine = config is None and tiling_override() is None and fine_tiles(num_splits, observe)
     block_n, ctile, warps, stages = config or tiling_override() or (key_tile(HD), 64 if fine else 128, 4, 2)
     nb = max(1, ctile // block_size) if pow2 else 1
     cblock = max(16, triton.next_power_of_2(nb * block_size))
