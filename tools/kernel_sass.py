@@ -12,6 +12,7 @@ of one kernel, not kernels with each other.
   python tools/kernel_sass.py router --mode int8 [--env O3EDGE_ROUTER_FAST=1]
   python tools/kernel_sass.py sampling --n 32000 --batch 8 [--env O3EDGE_TRITON_TOPK=0]
   python tools/kernel_sass.py attention --shape tinyllama-1.1b --batch 1 --splits 32 [--context 256]
+  python tools/kernel_sass.py route --shape ref-long --batch 16 --context 4096
 """
 
 from __future__ import annotations
@@ -177,9 +178,42 @@ def attention(a) -> list:
     return compiled(da._decode_attention_kernel)
 
 
+def route(a) -> list:
+    """A graph refresh's routing kernels (kernels/route.py) for --batch rows of a --context-token model in
+    blocks of --block-size, at --shape's KV heads: each kernel launched alone (the first launch fails here,
+    so route() itself would compile only the first)."""
+    import o3edge.engine.kernels.route as rt
+    from tools.bench_attention import SHAPES
+
+    _, KVH, _ = SHAPES[a.shape]
+    n, bs, L = a.batch, a.block_size, a.context
+    W = L // bs
+    entries = torch.zeros(n, W + 3, dtype=torch.long)
+    mass = torch.zeros(n, KVH, 2, W * bs)
+    books = torch.zeros(2 * n, L, dtype=torch.float64)
+    sal = torch.zeros(n, L, dtype=torch.float64)
+    order = torch.zeros(n, L, dtype=torch.long)
+    held = torch.zeros(n, W, dtype=torch.int32)
+    out = torch.zeros(n, W, dtype=torch.bool)
+    wb, lb = triton.next_power_of_2(W), min(1024, triton.next_power_of_2(L))
+    launches = [lambda: rt._observe_kernel[(n,)](entries, entries.stride(0), mass, *mass.stride()[:3], books,
+                                                 books, books.stride(0), sal, sal.stride(0), 1000, W=W, L=L, KVH=KVH,
+                                                 BS=bs, WB=wb, LB=lb, num_warps=8),
+                lambda: rt._cover_kernel[(n,)](sal, order, sal.stride(0), entries, entries.stride(0), held,
+                                               held.stride(0), out, out.stride(0), 1000, 0.85, 1, 128, W=W, L=L,
+                                               BS=bs, WB=wb, LB=lb, num_warps=8)]
+    for launch in launches:
+        try:
+            launch()
+        except Exception as e:
+            if "CompilationError" in type(e).__name__:
+                print(f"compile failed: {e}", file=sys.stderr)
+    return compiled(rt._observe_kernel, rt._cover_kernel)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("gemv", "router", "sampling", "attention"))
+    ap.add_argument("what", choices=("gemv", "router", "sampling", "attention", "route"))
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE set before compiling (repeatable)")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--rows", type=int, default=8)
@@ -200,7 +234,8 @@ def main() -> None:
         name, _, value = kv.partition("=")
         os.environ[name] = value
     driver.set_active(Sm90())
-    for name, kernel in {"gemv": gemv, "router": router, "sampling": sampling, "attention": attention}[a.what](a):
+    for name, kernel in {"gemv": gemv, "router": router, "sampling": sampling, "attention": attention,
+                         "route": route}[a.what](a):
         r = report(kernel, name)
         print(f"{r['kernel']}: {r['registers']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, "
               f"{r['instructions']} instructions; loads {r['loads']}")

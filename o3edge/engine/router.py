@@ -868,6 +868,16 @@ class KVRouter:
         seen = torch.arange(L, device=dev)[None, :] < ends[:, None]  # one observer sees up to its own position
         self.books.count.index_add_(0, book_rows, seen.double())
 
+    def route_in_kernels(self, entries: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """observation_of, observe_books, held_observed and plan_mask at once (kernels/route.py): entry_rows'
+        rows on the device and the observing step's mass [n, KVH, 2, P] in, the books added to, plan_mask's
+        rows out. Static shapes, no sync: a CUDA graph can hold it."""
+        from o3edge.engine.kernels.route import route
+
+        first, _ = unpinned_bounds(0, self.block_size, self.cfg)
+        return route(entries, mass, self.books.mass, self.books.count, self.num_full_blocks, self.block_size,
+                     self.cfg.threshold, first, self.cfg.recent_tokens)
+
     def held_observed(self, meta: torch.Tensor) -> torch.Tensor:
         """_held for the rows of an observation's meta on the device (observation_of: book row, context),
         over every position a sequence may reach: bool [rows, max_len // block_size], False past a row's

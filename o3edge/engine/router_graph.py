@@ -60,6 +60,14 @@ def router_attention_per_sm(mode: str) -> int:
     return int(os.environ.get("O3EDGE_ROUTER_PER_SM", "4"))
 
 
+def fused_route() -> bool:
+    """Whether a route graph runs a refresh's routing in kernels/route.py's three kernels and one sort
+    (O3EDGE_ROUTER_FUSED_ROUTE=1) instead of KVRouter's ~70 small operations (observation_of, observe_books,
+    held_observed, plan_mask). Off until measured on a GPU: made and tested under Triton's interpreter in the
+    twenty-third session, with no device time left to measure it."""
+    return os.environ.get("O3EDGE_ROUTER_FUSED_ROUTE") == "1"
+
+
 class RouterDecodeGraphs(DecodeGraphs):
     """DecodeGraphs for a router-on runner (runner.router is the KVRouter)."""
 
@@ -146,9 +154,13 @@ class RouterDecodeGraphs(DecodeGraphs):
         B, parity = key
         router = self.runner.router
         entries = self.obs[:B].copy_(self.obs_host[parity][:B], non_blocking=True)
-        meta = router.observation_of(entries)
-        router.observe_books(meta, self.mass_taken[:B])
-        self.demote_host[parity][:B].copy_(router.plan_mask(entries, router.held_observed(meta)), non_blocking=True)
+        if fused_route():
+            demote = router.route_in_kernels(entries, self.mass_taken[:B])
+        else:
+            meta = router.observation_of(entries)
+            router.observe_books(meta, self.mass_taken[:B])
+            demote = router.plan_mask(entries, router.held_observed(meta))
+        self.demote_host[parity][:B].copy_(demote, non_blocking=True)
         return ()
 
     def _observe_and_route(self, observed, batch) -> None:

@@ -105,13 +105,17 @@ def test_graph_refresh_step_observes_what_the_eager_step_observes(tiny_dir, mode
     assert compared >= 4 and with_compressed  # both pools were observed
 
 
+@pytest.mark.parametrize("fused", ["0", "1"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_refresh_routed_in_one_graph_demotes_what_the_operations_one_by_one_do(tiny_dir, device):
+def test_a_refresh_routed_in_one_graph_demotes_what_the_operations_one_by_one_do(tiny_dir, device, fused,
+                                                                                  monkeypatch):
     """A refresh step's books and saliency read run as one graph a bucket (_observe_and_route) instead of
     observed_in_graph and prepare_routing launched one by one: the same blocks are demoted at the same
     steps, so the same tokens come out, and sequences that end between refreshes change nothing. (On CUDA:
     the engine's captured graphs, the route graphs replayed; each key's place in the books takes one addition
-    a refresh, so the books are the same bits either way.)"""
+    a refresh, so the books are the same bits either way.) O3EDGE_ROUTER_FUSED_ROUTE=1: the route graph runs
+    kernels/route.py's kernels instead of the operations."""
+    monkeypatch.setenv("O3EDGE_ROUTER_FUSED_ROUTE", fused)
     routed = {**ROUTED, "router_threshold": 0.5, "router_refresh_steps": 3}
     if device == "cuda":
         routed.update(dtype="float32", router_cuda_graphs=True)

@@ -67,3 +67,12 @@ def test_streamed_int4_rows_compile_for_sm90_without_spilling(dtype):
                                 kernel="_rows_stream_kernel")
     assert regs <= 255 and spilled == 0, text
     assert re.search(r"HFMA2 \d+", text), text
+
+
+@pytest.mark.parametrize("kernel", ["_observe_kernel", "_cover_kernel"])
+def test_the_route_kernels_compile_for_sm90_without_spilling(kernel):
+    """kernels/route.py's two kernels at the built-in long model's routing (16 rows, 4,096 positions in blocks
+    of 32, 2 KV heads), which no GPU has run yet: they compile for sm_90 (float64 sums and scans, a bool
+    store, barriers inside a program), and nothing spills."""
+    regs, spilled, _ = _sass("route", "--shape", "ref-long", "--batch", "16", "--context", "4096", kernel=kernel)
+    assert 0 < regs <= 255 and spilled == 0

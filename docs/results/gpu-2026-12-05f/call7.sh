@@ -6,7 +6,8 @@
 # 32 splits). And with PDL off the router's kernels in a step sum below full precision's (call 6), with PDL on its
 # graph replays 0.020-0.022 ms longer. So: (1) the kernels alone at more programs an SM (O3EDGE_ROUTER_PER_SM with
 # the cap that lets them fit), (2) the GPU step alone (graph replay) of both settings with PDL on and off, and with
-# the best-looking cap, (3) GPU tests of that cap. Everything goes into one archive
+# the best-looking cap, (3) a refresh's routing in kernels/route.py's kernels (O3EDGE_ROUTER_FUSED_ROUTE=1, made under
+# the interpreter, never run on a GPU): whole decode beside the default, (4) GPU tests of both. One archive
 # (tools/gpu_call.sh).
 NAME=call7 . tools/gpu_call.sh "$0"
 attn() {  # name, then environment assignments
@@ -38,9 +39,11 @@ PY
 run default O3EDGE_NOTHING=1
 run nopdl O3EDGE_PDL=0
 run sm5-r88 O3EDGE_ROUTER_PER_SM=5 O3EDGE_ROUTER_MAXNREG=88
+run fused-route O3EDGE_ROUTER_FUSED_ROUTE=1
 run sm6-r80 O3EDGE_ROUTER_PER_SM=6 O3EDGE_ROUTER_MAXNREG=80
 [ $SECONDS -lt $((LIMIT - 120)) ] && O3EDGE_ROUTER_PER_SM=5 O3EDGE_ROUTER_MAXNREG=88 timeout 110 python3 -m pytest -q -m gpu \
-  tests/engine/test_router_graph.py tests/engine/test_router.py -k "graph or many_splits" -p no:cacheprovider > $R/tests.log 2>&1
+  tests/engine/test_router_graph.py tests/engine/test_router.py tests/engine/test_route_kernels.py \
+  -k "graph or many_splits or route" -p no:cacheprovider > $R/tests.log 2>&1
 tail -n 2 $R/tests.log
 pack
 echo "done at ${SECONDS}s"
