@@ -627,8 +627,9 @@ def router_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     # layer with 64 and 48.3 with 128, INT4 119.5 and 94.0 (tools/bench_attention.py --grid)
     # (fine_tiles: 64 and the key splits joined across the pools where a row is cut into many splits)
     pow2 = block_size & (block_size - 1) == 0
-    fine = config is None and tiling_override() is None and fine_tiles(num_splits, observe)
-    block_n, ctile, warps, stages = config or tiling_override() or (key_tile(HD), 64 if fine else 128, 4, 2)
+    override = config or tiling_override()
+    fine = override is None and fine_tiles(num_splits, observe)
+    block_n, ctile, warps, stages = override or (key_tile(HD), 64 if fine else 128, 4, 2)
     nb = max(1, ctile // block_size) if pow2 else 1
     cblock = max(16, triton.next_power_of_2(nb * block_size))
     joined = joined_splits(fine)

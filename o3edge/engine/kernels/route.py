@@ -84,8 +84,8 @@ def _cover_kernel(vals_ptr, order_ptr, stride_v, entries_ptr, stride_e, held_ptr
                   LB: tl.constexpr):
     r = tl.program_id(0)
     vals = vals_ptr + r * stride_v
-    total = tl.zeros([], tl.float64)
-    for l0 in range(0, L, LB):
+    total = tl.zeros([], tl.float64)  # the scan's own last element (not a sum in another order): the second
+    for l0 in range(0, L, LB):       # pass's running sums reach it exactly, as torch's cumsum reaches its total
         _, _, total = _scan_tile(vals, l0, L, total, LB)
     carry = tl.zeros([], tl.float64)
     below = tl.zeros([], tl.int32)  # positions whose running sum stays below threshold x total
