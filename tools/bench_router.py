@@ -673,6 +673,26 @@ def plot(r: dict, out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def add_settings(a) -> None:
+    """Add to SETTINGS the ones a's switches ask for (--tuned, --blocks, --thresholds, --refresh-steps, --floor)."""
+    if a.tuned:
+        SETTINGS.update(TUNED)
+    if a.blocks:
+        SETTINGS.update(BLOCKS)
+    for t in filter(None, a.thresholds.split(",")):
+        SETTINGS.update({f"router-{kv}-t{t}": dict(TUNED[f"router-{kv}-tuned"], router_threshold=float(t))
+                         for kv in ("int8", "int4")})
+    if a.refresh_steps:  # the default routers and --thresholds' ones, refreshing every N steps
+        SETTINGS.update({f"{name}-refresh{a.refresh_steps}": dict(setting, router_refresh_steps=a.refresh_steps)
+                         for name, setting in list(SETTINGS.items())
+                         if name in ("router-int8", "router-int4")
+                         or name.startswith(("router-int8-t", "router-int4-t"))})
+    if a.floor:
+        SETTINGS.update(FLOOR)
+        if a.gpu:
+            SETTINGS.update(FLOOR_GPU)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in reference model)")
@@ -690,7 +710,8 @@ def main(argv=None):
                     help="also the tuned routers (4 sink, 32 recent tokens) at these thresholds "
                          "(comma-separated: router-int8-t0.4, router-int4-t0.4, ...)")
     ap.add_argument("--refresh-steps", type=int, default=0,
-                    help="also the routers refreshing every N decode steps (router-int8-refreshN, -int4-refreshN)")
+                    help="also the routers refreshing every N decode steps (router-int8-refreshN, -int4-refreshN, and "
+                         "with --thresholds router-int8-t0.3-refreshN, ...)")
     ap.add_argument("--floor", action="store_true",
                     help="also router-keep-all: the router's path, nothing compressed (the path's own distance from off)")
     ap.add_argument("--capacity", action="store_true", help="sequences at once in a fixed KV budget (on --device)")
@@ -723,21 +744,7 @@ def main(argv=None):
             plot(json.load(f), a.plot)
         return
     torch.manual_seed(0)
-    if a.tuned:
-        SETTINGS.update(TUNED)
-    if a.blocks:
-        SETTINGS.update(BLOCKS)
-    for t in filter(None, a.thresholds.split(",")):
-        SETTINGS.update({f"router-{kv}-t{t}": dict(TUNED[f"router-{kv}-tuned"], router_threshold=float(t))
-                         for kv in ("int8", "int4")})
-    if a.refresh_steps:
-        SETTINGS.update({f"router-{kv}-refresh{a.refresh_steps}": dict(kv_router=kv,
-                                                                        router_refresh_steps=a.refresh_steps)
-                         for kv in ("int8", "int4")})
-    if a.floor:
-        SETTINGS.update(FLOOR)
-        if a.gpu:
-            SETTINGS.update(FLOOR_GPU)
+    add_settings(a)
     r = gpu(a) if a.gpu else capacity(a) if a.capacity else speed(a) if a.speed else quality(a)
     if not a.gpu and not a.capacity and not a.speed:
         print(table(r))

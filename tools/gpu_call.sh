@@ -7,9 +7,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 LIMIT=${CALL_LIMIT_S:-560}  # the call's time limit, from which each part's last start is reckoned
 R=/tmp/r
-mkdir -p $R
+rm -rf $R && mkdir -p $R  # a warm machine keeps /tmp between calls
 cp "$1" $R/commands.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > $R/machine.txt
+lscpu | grep -E "^(Model name|CPU\(s\)|CPU max MHz)" >> $R/machine.txt  # the host: a small model's step is mostly its time
 cat $R/machine.txt
 CALL_NAME=${NAME:-call}  # kept: an assignment before "." lasts only while this file is read
 pack() { tar czf "$OUT/$CALL_NAME.tgz" -C $R .; }

@@ -13,6 +13,12 @@ With --prompts the prompt steps are profiled instead: one prompt a step, beside 
 decoding (a new arrival's step), each step's wall time, and the host operations and GPU kernels with the
 most time of their own.
 
+With --replays N, once the decode is over, the step's graph (and the router's observing one) is replayed
+N times back to back under torch.profiler, as `tools/bench_router.py --gpu` times it (graph_replay_ms): the
+GPU's step alone, with the host out of the way. It reports each graph's span a replay, the kernels' busy time
+inside it (the rest: gaps between kernels), and each kernel's time a replay, so that two settings' GPU steps
+can be compared kernel by kernel (`--setting off` too).
+
 With --trace the steps run as in a normal run (launched ahead, no timers) under torch.profiler, and each
 engine step reports how long the GPU sat idle while the host was in that step (what the host's work
 left it waiting for), by kind: refresh steps, the step after each, the others; the host operations with
@@ -146,6 +152,52 @@ def trace(eng, a) -> dict:
             "gpu_ms_per_decode_step": round(sum(ms for _, ms in kernels.values()) / len(kinds), 3)}
 
 
+def busy_union(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of sorted (start, end) spans."""
+    busy, last = 0.0, float("-inf")
+    for k0, k1 in spans:
+        lo = max(k0, last)
+        if k1 > lo:
+            busy, last = busy + k1 - lo, k1
+    return busy
+
+
+def replays(eng, a) -> dict:
+    """The decode's last graph step (and the router's observing one) replayed a.replays times back to back
+    under torch.profiler: each graph's span a replay (first kernel's start to last kernel's end, over the
+    replays), the kernels' busy time inside it, and each kernel's time and calls a replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = eng.runner.graphs
+    B = next(b for b in graphs.batch_buckets if b >= a.batch)
+    out = {"setting": a.setting, "shape": a.shape, "context": a.context, "batch": a.batch, "bucket": B,
+           "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "replays": a.replays,
+           "timed_by_events": bench_router.replay_ms(graphs, a.batch)}
+    for name, table in (("graph", graphs.graphs), ("observing graph", getattr(graphs, "observe_graphs", {}))):
+        if (B, 0) not in table:
+            continue
+        graph = table[(B, 0)][0]
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernels: dict = collections.defaultdict(lambda: [0, 0.0])
+        for k0, k1, kname in gpu:
+            kernels[kname][0] += 1
+            kernels[kname][1] += (k1 - k0) / 1e3
+        n = a.replays
+        out[name] = {"span_ms": round((max(k1 for _, k1, _ in gpu) - gpu[0][0]) / 1e3 / n, 4),
+                     "busy_ms": round(busy_union([(k0, k1) for k0, k1, _ in gpu]) / 1e3 / n, 4),
+                     "kernels": {kname[:90]: {"calls": round(c / n, 2), "ms": round(ms / n, 4)}
+                                 for kname, (c, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])}}
+    return out
+
+
 def prompt_steps(eng, a) -> dict:
     """The prompt steps (each one prompt, beside the sequences already decoding) under torch.profiler, after
     the first four (Triton's first compilations): wall time of each, and the host operations and GPU
@@ -188,12 +240,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--workdir", default="/tmp/o3edge-bench-router")
     ap.add_argument("--json")
+    ap.add_argument("--replays", type=int, default=0,
+                    help="once the decode is over, its graph step replayed this many times under the profiler")
     ap.add_argument("--trace", action="store_true", help="launch ahead on, no timers: the GPU's idle time by step")
     ap.add_argument("--prompts", action="store_true",
                     help="profile the prompt steps instead (one prompt a step beside the sequences decoding)")
     ap.add_argument("--device", default="cuda", help="--trace: cuda, or cpu for a check under the interpreter")
     a = ap.parse_args()
-    if a.setting == "off" and not a.trace:  # no router: its steps are DecodeGraphs' (bench_router.py --gpu times them)
+    if a.setting == "off" and not (a.trace or a.replays):  # no router: its steps are DecodeGraphs' (bench_router.py --gpu times them)
         ap.error("--setting: a router setting (router-int8, router-int4, ...); off has no router steps")
     path, prompts, _ = bench_router.decode_checkpoint(a)  # as bench_router.py --gpu makes them
     bench_router.SETTINGS.update(bench_router.FLOOR_GPU)
@@ -211,6 +265,11 @@ def main() -> None:
         eng.step()
     if a.trace:
         return report(trace(eng, a), a.json)
+    if a.replays:
+        eng.runner.graphs.launch_ahead = True
+        while eng.has_unfinished_requests():
+            eng.step()
+        return report(replays(eng, a), a.json)
     timed(RouterDecodeGraphs, "_step", "graph step (replay)")
     timed(KVRouter, "observed_in_graph", "observation's books")
     timed(KVRouter, "prepare_routing", "routing's saliency read (prepare_routing)")

@@ -13,7 +13,8 @@ kernels also store each key's scaled scores, and a small kernel turns them into 
 buffer layer after layer; once the step is taken, a third graph per bucket (and host buffer) takes the
 table entries the step read, splits them into the pools, adds those rows to each sequence's books, reads the
 saliency it will route by and finds the blocks to demote, which come back to pinned memory
-(_observe_and_route: KVRouter.observation_of, observe_books, held_observed, plan_mask; a step that
+(_observe_and_route: kernels/route.py's three kernels and a sort, KVRouter.route_in_kernels, or with
+O3EDGE_ROUTER_FUSED_ROUTE=0 KVRouter.observation_of, observe_books, held_observed, plan_mask; a step that
 lost sequences since it was queued, and router_select = "blocks", do the same by KVRouter.observed_in_graph
 and prepare_routing, one operation at a time).
 (O3EDGE_ROUTER_OBSERVE_SPLITS=0 observes in one key split instead, each program making its rows'
@@ -61,11 +62,13 @@ def router_attention_per_sm(mode: str) -> int:
 
 
 def fused_route() -> bool:
-    """Whether a route graph runs a refresh's routing in kernels/route.py's three kernels and one sort
-    (O3EDGE_ROUTER_FUSED_ROUTE=1) instead of KVRouter's ~70 small operations (observation_of, observe_books,
-    held_observed, plan_mask). Off until measured on a GPU: made and tested under Triton's interpreter in the
-    twenty-third session, with no device time left to measure it."""
-    return os.environ.get("O3EDGE_ROUTER_FUSED_ROUTE") == "1"
+    """Whether a route graph runs a refresh's routing in kernels/route.py's three kernels and one sort (the
+    default) instead of KVRouter's ~70 small operations (observation_of, observe_books, held_observed,
+    plan_mask; O3EDGE_ROUTER_FUSED_ROUTE=0, a measurement switch). The same 693 demotions either way on the
+    trained model at 16 x 3,840 tokens on an H100; the step after a refresh, which waits for the route graph,
+    0.698 -> 0.489 ms (docs/results/gpu-2026-12-05g/call7/) and 0.56-0.58 -> 0.51-0.55 in the next call's two
+    rounds (call8/; 0.51-0.52 -> 0.43-0.46 with threshold 0.3)."""
+    return os.environ.get("O3EDGE_ROUTER_FUSED_ROUTE", "1") != "0"
 
 
 class RouterDecodeGraphs(DecodeGraphs):

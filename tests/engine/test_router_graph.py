@@ -113,8 +113,8 @@ def test_a_refresh_routed_in_one_graph_demotes_what_the_operations_one_by_one_do
     observed_in_graph and prepare_routing launched one by one: the same blocks are demoted at the same
     steps, so the same tokens come out, and sequences that end between refreshes change nothing. (On CUDA:
     the engine's captured graphs, the route graphs replayed; each key's place in the books takes one addition
-    a refresh, so the books are the same bits either way.) O3EDGE_ROUTER_FUSED_ROUTE=1: the route graph runs
-    kernels/route.py's kernels instead of the operations."""
+    a refresh, so the books are the same bits either way.) O3EDGE_ROUTER_FUSED_ROUTE=0: the route graph runs
+    the operations instead of kernels/route.py's kernels (the default)."""
     monkeypatch.setenv("O3EDGE_ROUTER_FUSED_ROUTE", fused)
     routed = {**ROUTED, "router_threshold": 0.5, "router_refresh_steps": 3}
     if device == "cuda":

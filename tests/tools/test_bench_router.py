@@ -64,3 +64,19 @@ def test_speed_mode_times_prefill_and_decode_beside_full_precision(tmp_path):
     for label, res in r["results"].items():
         assert len(res["runs"]) == 1 and res["median_prefill_s"] > 0 and res["median_decode_tokens_per_s"] > 0
     assert r["results"]["off"]["prefill_vs_off"] == r["results"]["off"]["decode_vs_off"] == 1.0
+
+
+def test_refresh_steps_add_the_default_and_threshold_routers_refreshing_every_n(monkeypatch):
+    """--thresholds 0.3 --refresh-steps 64: the routers at threshold 0.3 (4 sink, 32 recent tokens) and the
+    default ones, each also refreshing every 64 steps with the rest of its setting unchanged (call 9 of
+    2026-12-05 ran router-int8-t0.3-refresh64), and nothing else gains a refresh variant."""
+    monkeypatch.setattr(bench_router, "SETTINGS", dict(bench_router.SETTINGS))
+    a = SimpleNamespace(tuned=False, blocks=False, thresholds="0.3", refresh_steps=64, floor=False, gpu=True)
+    bench_router.add_settings(a)
+    s = bench_router.SETTINGS
+    assert s["router-int8-t0.3-refresh64"] == dict(kv_router="int8", router_threshold=0.3, sink_tokens=4,
+                                                   recent_tokens=32, router_refresh_steps=64)
+    assert s["router-int4-t0.3-refresh64"]["kv_router"] == "int4"
+    assert s["router-int8-refresh64"] == dict(kv_router="int8", router_refresh_steps=64)
+    assert "router-int8-t0.3" in s and "router_refresh_steps" not in s["router-int8-t0.3"]
+    assert not any(k.endswith("-refresh64") for k in s if k.startswith(("off", "uniform")))

@@ -19,7 +19,8 @@ and the same result (plan_mask's rows):
 
 The sums run in another order than torch's (the KV heads' sum in float32, the running sum in tiles), so a
 position exactly at the threshold may fall the other way; the books get the same additions. Static shapes, no
-sync: a CUDA graph holds it. A measurement switch for now (router_graph.fused_route).
+sync: a CUDA graph holds it. The default since it ran on an H100 (router_graph.fused_route;
+O3EDGE_ROUTER_FUSED_ROUTE=0 runs the operations instead).
 """
 
 from __future__ import annotations
