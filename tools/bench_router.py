@@ -495,6 +495,19 @@ def over_rounds(rounds: list[dict], off: list[dict]) -> dict:
             "ratio_to_off_median": round(statistics.median(ratios), 3), "rounds": rounds}
 
 
+def summary_line(name: str, row: dict) -> str:
+    """One setting's --gpu row in a line: tok/s (with rounds: the median, and the ratio to full precision by
+    round), the GPU step alone, the KV bytes a token, the blocks demoted while decoding and the median step
+    by kind (the lines a GPU call's script shows)."""
+    speed = f"{row['decode_tokens_per_s']} tok/s"
+    if "ratio_to_off_by_round" in row:
+        speed = (f"median {speed}, {row['ratio_to_off_median']}x of full precision "
+                 f"(by round {row['ratio_to_off_by_round']})")
+    kinds = {kind: v["median_ms"] for kind, v in row.get("by_kind", {}).items()}
+    return (f"{name}: {speed}; GPU step {row.get('graph_replay_ms')} ms, {row.get('kv_bytes_per_token')} KV bytes a "
+            f"token, {row.get('blocks_demoted_in_decode')} blocks demoted, median step ms by kind {kinds}")
+
+
 def gpu(a) -> dict:
     """Decode speed of each setting on the GPU. With --rounds N, every setting runs N times, the settings
     alternating round by round (off first in each), so that a machine whose speed drifts between runs
@@ -516,9 +529,8 @@ def gpu(a) -> dict:
     else:
         off = {True: measured["off (CUDA graphs)"], False: measured.get("off (eager)")}
         rows = {name: over_rounds(rounds, off[name.endswith("(CUDA graphs)")]) for name, rounds in measured.items()}
-        for name, row in rows.items():
-            print(f"{name}: median {row['decode_tokens_per_s']} tok/s, {row['ratio_to_off_median']}x of full "
-                  f"precision (by round {row['ratio_to_off_by_round']})", flush=True)
+    for name, row in rows.items():
+        print(summary_line(name, row), flush=True)
     return {"mode": "gpu-decode", "shape": a.shape, "context": a.context, "batch": a.batch, "steps": a.steps,
             "rounds": a.rounds, "device": torch.cuda.get_device_name(), "results": rows}
 

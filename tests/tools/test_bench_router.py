@@ -80,3 +80,18 @@ def test_refresh_steps_add_the_default_and_threshold_routers_refreshing_every_n(
     assert s["router-int8-refresh64"] == dict(kv_router="int8", router_refresh_steps=64)
     assert "router-int8-t0.3" in s and "router_refresh_steps" not in s["router-int8-t0.3"]
     assert not any(k.endswith("-refresh64") for k in s if k.startswith(("off", "uniform")))
+
+
+def test_summary_line_names_the_ratio_by_round_and_the_steps_by_kind():
+    """The line a GPU call's log ends with for each setting: what the call's reader compares."""
+    off = [{"decode_tokens_per_s": 40000.0}, {"decode_tokens_per_s": 20000.0}]
+    rounds = [{"decode_tokens_per_s": 42000.0, "graph_replay_ms": 0.3231, "kv_bytes_per_token": 2192.4,
+               "blocks_demoted_in_decode": 11, "by_kind": {"other": {"n": 116, "median_ms": 0.345},
+                                                         "refresh": {"n": 4, "median_ms": 0.43}}},
+              {"decode_tokens_per_s": 21000.0}]
+    line = bench_router.summary_line("router-int8-t0.3 (CUDA graphs)", bench_router.over_rounds(rounds, off))
+    assert line.startswith("router-int8-t0.3 (CUDA graphs): median 31500.0 tok/s, 1.05x of full precision")
+    assert "(by round [1.05, 1.05])" in line and "GPU step 0.3231 ms" in line and "11 blocks demoted" in line
+    assert "{'other': 0.345, 'refresh': 0.43}" in line
+    one = bench_router.summary_line("off (CUDA graphs)", {"decode_tokens_per_s": 40000.0})
+    assert one.startswith("off (CUDA graphs): 40000.0 tok/s;") and "by round" not in one
