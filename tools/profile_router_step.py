@@ -3,7 +3,7 @@
 routing, and the rest of the engine step, for refresh steps and ordinary ones.
 
   python tools/profile_router_step.py [--setting router-int8] [--shape llama-1b] [--context 4096]
-                                      [--batch 16] [--steps 128] [--json OUT]
+                                      [--batch 16] [--steps 128] [--trace | --replays N | --prompts] [--json OUT]
 
 Same engine and prompts as `tools/bench_router.py --gpu`. Each part is wrapped with a timer that
 synchronizes the device before and after it, so the parts do not overlap as they do in a normal run
@@ -247,7 +247,7 @@ def main() -> None:
                     help="profile the prompt steps instead (one prompt a step beside the sequences decoding)")
     ap.add_argument("--device", default="cuda", help="--trace: cuda, or cpu for a check under the interpreter")
     a = ap.parse_args()
-    if a.setting == "off" and not (a.trace or a.replays):  # no router: its steps are DecodeGraphs' (bench_router.py --gpu times them)
+    if a.setting == "off" and not (a.trace or a.replays):  # no router: its steps are DecodeGraphs'
         ap.error("--setting: a router setting (router-int8, router-int4, ...); off has no router steps")
     path, prompts, _ = bench_router.decode_checkpoint(a)  # as bench_router.py --gpu makes them
     bench_router.SETTINGS.update(bench_router.FLOOR_GPU)
