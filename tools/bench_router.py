@@ -508,17 +508,26 @@ def summary_line(name: str, row: dict) -> str:
             f"token, {row.get('blocks_demoted_in_decode')} blocks demoted, median step ms by kind {kinds}")
 
 
+def gpu_runs(labels: list[str], eager: bool, off_last: bool = False) -> list[tuple[str, str, bool]]:
+    """A round's runs, in order, as (row name, setting, CUDA graphs): full precision first, then the other
+    settings as given (off_last: full precision last instead, to see whether a setting's place in the round
+    moves its speed); with eager, the same again without graphs."""
+    labels = [x for x in labels if x != "off"]
+    runs = []
+    for graphs, suffix in ((True, " (CUDA graphs)"),) + (((False, ""),) if eager else ()):
+        off = [(f"off{suffix or ' (eager)'}", "off", graphs)]
+        rest = [(f"{label}{suffix}", label, graphs) for label in labels]
+        runs += rest + off if off_last else off + rest
+    return runs
+
+
 def gpu(a) -> dict:
     """Decode speed of each setting on the GPU. With --rounds N, every setting runs N times, the settings
-    alternating round by round (off first in each), so that a machine whose speed drifts between runs
+    alternating round by round (off first in each; last with --off-last), so that a machine whose speed drifts between runs
     (a small model's step is mostly host time) moves every setting alike; rows then report the median
     tok/s and each round's ratio to full precision in that round."""
     path, prompts, warm = decode_checkpoint(a)  # the same prompts for every setting, made once
-    labels = [x for x in labels_of(a) if x != "off"]
-    runs = [("off (CUDA graphs)", "off", True)]
-    runs += [(f"{label} (CUDA graphs)", label, True) for label in labels]
-    if a.eager:
-        runs += [("off (eager)", "off", False)] + [(label, label, False) for label in labels]
+    runs = gpu_runs(labels_of(a), a.eager, a.off_last)
     measured: dict[str, list] = {}
     for r in range(a.rounds):
         for name, label, graphs in runs:
@@ -740,6 +749,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--eager", action="store_true", help="--gpu: also every setting without CUDA graphs")
+    ap.add_argument("--off-last", action="store_true",
+                    help="--gpu: full precision last in each round instead of first (does the order move it?)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="--gpu: every setting this many times, alternating; medians and ratios by round")
     ap.add_argument("--blocks", action="store_true",

@@ -95,3 +95,14 @@ def test_summary_line_names_the_ratio_by_round_and_the_steps_by_kind():
     assert "{'other': 0.345, 'refresh': 0.43}" in line
     one = bench_router.summary_line("off (CUDA graphs)", {"decode_tokens_per_s": 40000.0})
     assert one.startswith("off (CUDA graphs): 40000.0 tok/s;") and "by round" not in one
+
+
+def test_a_rounds_runs_put_full_precision_first_or_last_and_eager_after_graphs():
+    """--gpu's round: full precision first (--off-last: last) among the CUDA-graph runs, the settings in the
+    order given, and with --eager the same again without graphs; `off` given in --only runs once a round."""
+    graphs = [("off (CUDA graphs)", "off", True), ("router-int8 (CUDA graphs)", "router-int8", True),
+              ("uniform-int8 (CUDA graphs)", "uniform-int8", True)]
+    assert bench_router.gpu_runs(["off", "router-int8", "uniform-int8"], False) == graphs
+    assert bench_router.gpu_runs(["router-int8", "uniform-int8"], False, off_last=True) == graphs[1:] + graphs[:1]
+    eager = bench_router.gpu_runs(["router-int8"], True)
+    assert eager == graphs[:2] + [("off (eager)", "off", False), ("router-int8", "router-int8", False)]
