@@ -514,18 +514,18 @@ def gpu_runs(labels: list[str], eager: bool, off_last: bool = False) -> list[tup
     moves its speed); with eager, the same again without graphs."""
     labels = [x for x in labels if x != "off"]
     runs = []
-    for graphs, suffix in ((True, " (CUDA graphs)"),) + (((False, ""),) if eager else ()):
-        off = [(f"off{suffix or ' (eager)'}", "off", graphs)]
-        rest = [(f"{label}{suffix}", label, graphs) for label in labels]
-        runs += rest + off if off_last else off + rest
+    for graphs, off_name, suffix in ((True, "off (CUDA graphs)", " (CUDA graphs)"), (False, "off (eager)", "")):
+        if graphs or eager:
+            off, rest = [(off_name, "off", graphs)], [(label + suffix, label, graphs) for label in labels]
+            runs += rest + off if off_last else off + rest
     return runs
 
 
 def gpu(a) -> dict:
     """Decode speed of each setting on the GPU. With --rounds N, every setting runs N times, the settings
-    alternating round by round (off first in each; last with --off-last), so that a machine whose speed drifts between runs
-    (a small model's step is mostly host time) moves every setting alike; rows then report the median
-    tok/s and each round's ratio to full precision in that round."""
+    alternating round by round (off first in each; last with --off-last), so that a machine whose speed
+    drifts between runs (a small model's step is mostly host time) moves every setting alike; rows then
+    report the median tok/s and each round's ratio to full precision in that round."""
     path, prompts, warm = decode_checkpoint(a)  # the same prompts for every setting, made once
     runs = gpu_runs(labels_of(a), a.eager, a.off_last)
     measured: dict[str, list] = {}

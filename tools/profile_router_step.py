@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import itertools
 import json
 import os
 import statistics
@@ -83,6 +84,16 @@ def labelled(cls, name: str) -> None:
     setattr(cls, name, wrapper)
 
 
+def busy_union(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of sorted (start, end) spans."""
+    busy, last = 0.0, float("-inf")
+    for k0, k1 in spans:
+        lo = max(k0, last)
+        if k1 > lo:
+            busy, last = busy + k1 - lo, k1
+    return busy
+
+
 def trace(eng, a) -> dict:
     """The decode steps under torch.profiler, launched ahead as in a normal run: per engine step, the GPU's
     idle time inside the step's host window; medians by kind, and the refresh steps' busiest host ops."""
@@ -117,14 +128,9 @@ def trace(eng, a) -> dict:
     rows = collections.defaultdict(lambda: collections.defaultdict(list))
     host_ops: dict = collections.defaultdict(collections.Counter)
     starts = [k0 for k0, _ in gpu]
-    for start, end, i in windows:
-        busy, last = 0.0, start
-        for k0, k1 in gpu[bisect.bisect_left(starts, start - 100_000):]:  # the kernels' union inside the window
-            if k0 >= end:
-                break
-            lo, hi = max(k0, last), min(k1, end)
-            if hi > lo:
-                busy, last = busy + hi - lo, hi
+    for start, end, i in windows:  # the kernels' union inside the window
+        near = itertools.takewhile(lambda k: k[0] < end, gpu[bisect.bisect_left(starts, start - 100_000):])
+        busy = busy_union([(max(k0, start), min(k1, end)) for k0, k1 in near])
         rows[kinds[i]]["wall_ms"].append((end - start) / 1e3)
         rows[kinds[i]]["gpu_idle_ms"].append((end - start - busy) / 1e3)
     host = sorted((e.time_range.start, e.name, e.self_cpu_time_total) for e in events
@@ -150,16 +156,6 @@ def trace(eng, a) -> dict:
             "gpu_kernels_per_decode_step": {name[:90]: {"calls": round(n / len(kinds), 2),
                                                         "ms": round(ms / len(kinds), 4)} for name, (n, ms) in top},
             "gpu_ms_per_decode_step": round(sum(ms for _, ms in kernels.values()) / len(kinds), 3)}
-
-
-def busy_union(spans: list[tuple[float, float]]) -> float:
-    """The length of the union of sorted (start, end) spans."""
-    busy, last = 0.0, float("-inf")
-    for k0, k1 in spans:
-        lo = max(k0, last)
-        if k1 > lo:
-            busy, last = busy + k1 - lo, k1
-    return busy
 
 
 def replays(eng, a) -> dict:
